@@ -1,0 +1,91 @@
+"""Render conversations with the target's chat template and derive the loss mask from the
+rendering itself: an assistant turn's span is what rendering the conversation up to and including
+that turn adds to the rendering up to its generation prompt. No model-specific regex."""
+import logging
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import EaglenestError
+
+log = logging.getLogger(__name__)
+
+SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                    ("loss_mask", pa.list_(pa.uint8())), ("n_tokens", pa.int32())])
+
+
+def require_template(tokenizer, name: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise EaglenestError(f"target tokenizer {name} has no chat template; give a chat model or add "
+                             f"a chat_template.jinja to its directory")
+
+
+def _render(tokenizer, messages, gen_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Full rendering and the [start, end) character spans of every assistant turn."""
+    full = _render(tokenizer, messages, False)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:k], True)
+        upto = _render(tokenizer, messages[:k + 1], False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ValueError(f"chat template is not prefix-stable at turn {k}: rendering a prefix of the "
+                             f"conversation is not a prefix of the full rendering")
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids and loss_mask (1 on tokens inside assistant spans, template end-of-turn included)."""
+    text, spans = assistant_char_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    for a, b in spans:
+        mask[(starts >= a) & (starts < b)] = 1
+    return ids, mask
+
+
+def tokenize_part(tokenizer, convs: list[dict], max_seq_len: int, source: str, on_error: str = "fail"):
+    """Tokenize a part. Returns (pyarrow Table, stats). Truncation at max_seq_len is counted;
+    conversations the template cannot render are an error naming the sample (or counted, on skip)."""
+    if max_seq_len <= 0:
+        raise EaglenestError(f"tokenize.max_seq_len must be > 0, got {max_seq_len}")
+    rows = {"id": [], "input_ids": [], "loss_mask": [], "n_tokens": []}
+    stats = {"samples": 0, "tokens": 0, "loss_tokens": 0, "truncated": 0, "skipped": 0, "skipped_reasons": {}}
+    for c in convs:
+        try:
+            ids, mask = tokenize_conversation(tokenizer, c["messages"])
+        except Exception as e:  # jinja raises its own types for unrenderable role sequences
+            if on_error == "fail":
+                raise EaglenestError(f"{source}: sample {c['id']!r}: cannot render with the chat template: {e}") from None
+            stats["skipped"] += 1
+            stats["skipped_reasons"]["unrenderable"] = stats["skipped_reasons"].get("unrenderable", 0) + 1
+            continue
+        if len(ids) > max_seq_len:
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            stats["truncated"] += 1
+        if mask.sum() == 0:  # truncation cut every assistant token: nothing to learn from
+            stats["skipped"] += 1
+            stats["skipped_reasons"]["no loss tokens after truncation"] = \
+                stats["skipped_reasons"].get("no loss tokens after truncation", 0) + 1
+            continue
+        rows["id"].append(c["id"])
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask)
+        rows["n_tokens"].append(len(ids))
+        stats["samples"] += 1
+        stats["tokens"] += len(ids)
+        stats["loss_tokens"] += int(mask.sum())
+    lengths = np.asarray(rows["n_tokens"] or [0])
+    stats["length_p50"], stats["length_p90"], stats["length_p99"] = (
+        float(np.percentile(lengths, q)) for q in (50, 90, 99))
+    stats["length_max"] = int(lengths.max())
+    table = pa.table(rows, schema=SCHEMA)
+    return table, stats

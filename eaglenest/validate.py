@@ -1,0 +1,106 @@
+"""Validation gate (DESIGN §6): recompute a seeded subset with an independent reference — float32,
+eager attention, one sequence at a time, no padding — and compare per token and per tap.
+
+Figures per tap: cosine (mean, min over tokens) and relative error ||s-r||/||r|| (mean, max).
+Beside each, the same figures against the ADJACENT reference tap (j+1; for `final`, the pre-norm
+state) so a reader sees the margin between precision noise and an off-by-one defect."""
+import logging
+
+import numpy as np
+import torch
+
+from .target import Target, load_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_THRESHOLDS = {"min_cosine_mean": 0.995, "min_cosine_token": 0.98,
+                      "max_rel_err_mean": 0.06, "max_rel_err_token": 0.2}
+
+
+class Reference:
+    def __init__(self, target: Target, taps: list[int], device: str = "cpu"):
+        self.model = load_model(target, dtype="float32", device=device, attn="eager")
+        self.decoder = self.model.get_decoder()
+        self.taps, self.device, self.L = list(taps), device, target.num_layers
+        self._prenorm = None
+        norm = getattr(self.decoder, "norm", None)
+        if norm is not None:
+            norm.register_forward_pre_hook(lambda _m, args: setattr(self, "_prenorm", args[0]))
+
+    @torch.inference_mode()
+    def states(self, ids: np.ndarray) -> dict:
+        x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(self.device)
+        out = self.decoder(input_ids=x, output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states
+        ref = {"aux": torch.stack([hs[j] for j in self.taps], 2)[0].float().cpu(),
+               "aux_adjacent": torch.stack([hs[j + 1] for j in self.taps], 2)[0].float().cpu(),
+               "final": out.last_hidden_state[0].float().cpu()}
+        if self._prenorm is not None:
+            ref["final_adjacent"] = self._prenorm[0].float().cpu()
+        return ref
+
+    @torch.inference_mode()
+    def lm_head_cosine(self, final: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+        """Per-token cosine between lm_head(stored final) and the model's own logits."""
+        x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(self.device)
+        logits = self.model(input_ids=x, use_cache=False).logits[0].float().cpu()
+        mine = self.model.get_output_embeddings()(final.to(self.device)).float().cpu()
+        return torch.nn.functional.cosine_similarity(mine, logits, dim=-1)
+
+
+def token_stats(stored: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cosine and relative error; inputs [n, H] float32."""
+    cos = torch.nn.functional.cosine_similarity(stored, ref, dim=-1)
+    rel = (stored - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+    return cos, rel
+
+
+def summarize(cos: torch.Tensor, rel: torch.Tensor) -> dict:
+    return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+            "rel_err_mean": float(rel.mean()), "rel_err_max": float(rel.max())}
+
+
+def run_gate(read_sample, sample_ids: list, ref: Reference, thresholds: dict) -> tuple[dict, bool]:
+    """read_sample(i) -> (ids, aux bf16 [n,3,H], final bf16 [n,H]). Returns (metrics, passed)."""
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    acc: dict[str, list] = {}
+
+    def add(name, cos, rel):
+        acc.setdefault(name, [[], []])
+        acc[name][0].append(cos)
+        acc[name][1].append(rel)
+
+    tokens = 0
+    for i in sample_ids:
+        ids, aux, final = read_sample(i)
+        aux, final = aux.float(), final.float()
+        r = ref.states(ids)
+        tokens += len(ids)
+        for k, tap in enumerate(ref.taps):
+            add(f"aux_{tap}", *token_stats(aux[:, k], r["aux"][:, k]))
+            add(f"aux_{tap}_vs_adjacent_{tap + 1}", *token_stats(aux[:, k], r["aux_adjacent"][:, k]))
+        add("final", *token_stats(final, r["final"]))
+        if "final_adjacent" in r:
+            add("final_vs_prenorm", *token_stats(final, r["final_adjacent"]))
+        acc.setdefault("lm_head_logits", [[], []])[0].append(ref.lm_head_cosine(final, ids))
+
+    metrics = {"samples": len(sample_ids), "tokens": tokens, "thresholds": th, "taps": {}, "margin": {}}
+    failures = []
+    for name, (coss, rels) in acc.items():
+        cos = torch.cat(coss)
+        if name == "lm_head_logits":
+            metrics["lm_head_logits_cosine"] = {"mean": float(cos.mean()), "min": float(cos.min())}
+            continue
+        s = summarize(cos, torch.cat(rels))
+        if "_vs_" in name:
+            metrics["margin"][name] = s
+            continue
+        metrics["taps"][name] = s
+        checks = [("cosine_mean", s["cosine_mean"] >= th["min_cosine_mean"], "min_cosine_mean"),
+                  ("cosine_min", s["cosine_min"] >= th["min_cosine_token"], "min_cosine_token"),
+                  ("rel_err_mean", s["rel_err_mean"] <= th["max_rel_err_mean"], "max_rel_err_mean"),
+                  ("rel_err_max", s["rel_err_max"] <= th["max_rel_err_token"], "max_rel_err_token")]
+        failures += [f"{name}: {fig}={s[fig]:.4f} violates {t}={th[t]}" for fig, ok, t in checks if not ok]
+    metrics["passed"] = not failures
+    metrics["failures"] = failures
+    return metrics, not failures

@@ -1,0 +1,51 @@
+"""Stage `extract@<part>`: hidden states of a tokenized part into a validated Zarr store.
+
+    python -m stages.extract <part>
+    params: extract.* (backend, taps, dtype, device, batch_tokens, revision, work_dir),
+            store.* (codec, level, chunk_mb, shard_mb), validate.* (gate), tokenize.max_seq_len
+A crash leaves finished pieces in extract.work_dir; rerunning resumes. A failed validation gate
+writes metrics/extract/<part>.json and exits non-zero without touching data/hidden/<part>.
+"""
+import argparse
+from pathlib import Path
+
+from eaglenest.atomic import write_json
+from eaglenest.backends import make_backend
+from eaglenest.errors import exit_on_error
+from eaglenest.extract import GateFailed, extract_part
+from eaglenest.extractor import resolve_taps
+from eaglenest.target import check_fingerprint, load_target
+
+from . import _params
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    params = _params.load()
+    ex, st, va = params["extract"], params["store"], params.get("validate", {})
+    target = load_target(Path("data/target"))
+    check_fingerprint(target)
+    taps = resolve_taps(ex.get("taps", "auto"), target.num_layers)
+    backend = make_backend(ex.get("backend", "hf"), target=target, taps=taps, dtype=ex.get("dtype", "bfloat16"),
+                           device=ex.get("device", "auto"))
+    metrics_path = Path(f"metrics/extract/{args.part}.json")
+    try:
+        metrics = extract_part(
+            part=args.part, tokenized=Path(f"data/tokenized/{args.part}.parquet"), target=target, backend=backend,
+            taps=taps, dtype=ex.get("dtype", "bfloat16"), revision=ex.get("revision", 0),
+            layout_cfg={k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")}, validate_cfg=va,
+            out_dir=Path(f"data/hidden/{args.part}"), work_root=Path(ex.get("work_dir", ".eaglenest/work")),
+            batch_tokens=int(ex.get("batch_tokens", 4096)), max_seq_len=int(params["tokenize"]["max_seq_len"]),
+            progress=not args.no_progress)
+    except GateFailed as e:
+        write_json(metrics_path, e.metrics)
+        raise
+    write_json(metrics_path, metrics)
+
+
+if __name__ == "__main__":
+    main()

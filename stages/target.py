@@ -1,0 +1,28 @@
+"""Stage `target`: materialise the target as a plain HF directory and record its fingerprint.
+
+    python -m stages.target            (params: target.path, target.dtype; out: data/target)
+"""
+import argparse
+from pathlib import Path
+
+from eaglenest.atomic import write_json
+from eaglenest.errors import exit_on_error
+from eaglenest.target import materialize
+
+from . import _params
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="data/target", help="output directory (default: %(default)s)")
+    ap.add_argument("--metrics", default="metrics/target.json")
+    args = ap.parse_args(argv)
+    p = _params.load("target")
+    t = materialize(p["path"], Path(args.out), dtype=p.get("dtype", "bfloat16"))
+    write_json(Path(args.metrics), {"fingerprint": t.fingerprint, "num_layers": t.num_layers,
+                                    "hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "spec": t.spec})
+
+
+if __name__ == "__main__":
+    main()

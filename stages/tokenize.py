@@ -1,0 +1,54 @@
+"""Stage `tokenize@<part>`: render with the target's chat template, loss mask over assistant
+tokens (derived from the rendering), truncate at max_seq_len, write Parquet.
+
+    python -m stages.tokenize <part>   (params: tokenize.max_seq_len, tokenize.on_error)
+"""
+import argparse
+import logging
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from eaglenest.atomic import write_json
+from eaglenest.chat import require_template, tokenize_part
+from eaglenest.conversations import read_jsonl
+from eaglenest.errors import EaglenestError, exit_on_error
+from eaglenest.target import load_target, load_tokenizer
+
+from . import _params
+
+log = logging.getLogger("stages.tokenize")
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part")
+    ap.add_argument("--input", help="conversations JSONL (default: data/parts/<part>.jsonl)")
+    args = ap.parse_args(argv)
+    p = _params.load("tokenize")
+    on_error = p.get("on_error", "fail")
+    if on_error not in ("fail", "skip"):
+        raise EaglenestError(f"tokenize.on_error must be fail or skip, got {on_error!r}")
+    src = Path(args.input or f"data/parts/{args.part}.jsonl")
+    target = load_target(Path("data/target"))
+    tok = load_tokenizer(target)
+    require_template(tok, str(target.model_dir))
+    convs, report = read_jsonl(src, on_error=on_error)
+    table, stats = tokenize_part(tok, convs, int(p["max_seq_len"]), str(src), on_error=on_error)
+    if stats["samples"] == 0:
+        raise EaglenestError(f"{src}: no usable samples after tokenization")
+    out = Path(f"data/tokenized/{args.part}.parquet")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(out)
+    stats.update(lines=report.lines, malformed_lines=sum(report.skipped.values()),
+                 malformed_reasons=dict(report.skipped), max_seq_len=int(p["max_seq_len"]))
+    write_json(Path(f"metrics/tokenize/{args.part}.json"), stats)
+    log.info("part %s: %d samples, %d tokens (%d loss), %d truncated, %d skipped", args.part, stats["samples"],
+             stats["tokens"], stats["loss_tokens"], stats["truncated"], stats["skipped"] + stats["malformed_lines"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Shared fixtures: the real SmolLM2 target (converted once, cached under .eaglenest/test-cache)
+and a tiny random Llama built from a config (no download)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from eaglenest.chat import SCHEMA
+from eaglenest.target import fingerprint, load_target, materialize
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".eaglenest" / "test-cache"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The builtin target, materialised once per machine (the conversion takes ~20 s)."""
+    out = CACHE / "smollm2"
+    try:
+        t = load_target(out)
+        if fingerprint(t.model_dir) == t.fingerprint:
+            return t
+    except Exception:
+        pass
+    shutil.rmtree(out, ignore_errors=True)
+    return materialize("builtin:smollm2-135m-instruct", out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    from eaglenest.target import load_tokenizer
+    return load_tokenizer(smollm2)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """An 8-layer random Llama (hidden 64) saved as a HF directory, plus its target.json."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    model_dir = tmp_path_factory.mktemp("tiny") / "model"
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
+    return materialize(str(model_dir), model_dir.parent / "target")
+
+
+def random_samples(n, vocab, lo, hi, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=int(rng.integers(lo, hi + 1))).astype(np.int32) for _ in range(n)]
+
+
+def write_tokenized(path: Path, seqs, names=None) -> Path:
+    import pyarrow as pa
+    names = names or [f"s{i}" for i in range(len(seqs))]
+    table = pa.table({"id": names, "input_ids": [s.tolist() for s in seqs],
+                      "loss_mask": [[1] * len(s) for s in seqs], "n_tokens": [len(s) for s in seqs]},
+                     schema=SCHEMA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+def run_py(args, cwd, check=True, timeout=600, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}")
+    return p
+
+
+def stage_workspace(root: Path, target, params: dict) -> Path:
+    """A directory where `python -m stages.<x>` runs: params.yaml and data/target pointing at `target`."""
+    import yaml
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    tdir = root / "data" / "target"
+    tdir.mkdir(parents=True, exist_ok=True)
+    info = json.loads((target.model_dir.parent / "target.json").read_text()) if (
+        target.model_dir.parent / "target.json").exists() else {}
+    info.update(spec=target.spec, model_dir=str(target.model_dir), fingerprint=target.fingerprint,
+                num_layers=target.num_layers, hidden_size=target.hidden_size, vocab_size=target.vocab_size)
+    (tdir / "target.json").write_text(json.dumps(info))
+    return root
+
+
+def base_params(**over) -> dict:
+    p = {"tokenize": {"max_seq_len": 128, "on_error": "fail"},
+         "extract": {"backend": "hf", "taps": "auto", "dtype": "bfloat16", "revision": 0, "device": "cpu",
+                     "batch_tokens": 1024, "work_dir": ".eaglenest/work"},
+         "store": {"codec": "zstd", "level": 1, "chunk_mb": 0.05, "shard_mb": 0.5},
+         "validate": {"samples": 4, "seed": 0}}
+    for k, v in over.items():
+        p[k] = {**p.get(k, {}), **v}
+    return p

@@ -1,0 +1,168 @@
+"""Extraction: padding leaks, the validation gate against injected defects, crash + resume."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from eaglenest.backends.hf import HFBackend
+from eaglenest.errors import EaglenestError
+from eaglenest.extract import GateFailed, extract_part
+from eaglenest.extractor import resolve_taps
+from eaglenest.store import HiddenStore, verify_store
+from eaglenest.validate import token_stats
+
+from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
+
+
+@pytest.mark.parametrize("dtype, min_cos, max_rel", [("float32", 0.999999, 2e-5), ("bfloat16", 0.999, 0.03)])
+def test_padded_batch_equals_one_by_one(tiny_target, dtype, min_cos, max_rel):
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    be = HFBackend(tiny_target, taps, dtype=dtype, device="cpu")
+    seqs = random_samples(5, tiny_target.vocab_size, 3, 90, seed=1)
+    batched = be.extract(seqs)  # one batch, right-padded to the longest
+    for s, (a, f) in zip(seqs, batched):
+        a1, f1 = be.extract([s])[0]
+        for x, y in ((a.flatten(0, 1), a1.flatten(0, 1)), (f, f1)):
+            cos, rel = token_stats(x.float(), y.float())
+            assert cos.min() >= min_cos and rel.max() <= max_rel, (dtype, len(s), cos.min(), rel.max())
+
+
+def test_padded_batch_equals_one_by_one_smollm2(smollm2):
+    be = HFBackend(smollm2, resolve_taps("auto", smollm2.num_layers), dtype="bfloat16", device="cpu")
+    seqs = random_samples(4, smollm2.vocab_size, 8, 120, seed=2)
+    for s, (a, f) in zip(seqs, be.extract(seqs)):
+        a1, f1 = be.extract([s])[0]
+        cos, rel = token_stats(torch.cat([a.flatten(0, 1), f]).float(), torch.cat([a1.flatten(0, 1), f1]).float())
+        assert cos.min() >= 0.998 and rel.mean() <= 0.02
+
+
+def test_tap_ids_out_of_range():
+    with pytest.raises(EaglenestError, match=r"\[30\] out of range.*\[0, 29\]"):
+        resolve_taps([2, 15, 30], 30)
+    with pytest.raises(EaglenestError, match="three integers"):
+        resolve_taps([2, 15], 30)
+    assert resolve_taps("auto", 30) == [2, 15, 27]
+
+
+# --- injected defects: each must fail the gate and commit nothing -------------------------------
+
+class OffByOneTap(HFBackend):
+    """Captures the residual stream one layer too late (the SGLang id-vs-index confusion)."""
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.taps = [t + 1 for t in self.taps]
+
+
+class PreNormFinal(HFBackend):
+    """Stores the last layer's output BEFORE the final norm as `final`."""
+    def extract(self, batch):
+        if self.decoder is None:
+            self._load()
+        grabbed = {}
+        h = self.decoder.norm.register_forward_pre_hook(lambda _m, a: grabbed.setdefault("x", a[0]))
+        try:
+            outs = super().extract(batch)
+        finally:
+            h.remove()
+        pre = grabbed["x"].to(torch.bfloat16).cpu()
+        return [(a, pre[b, :len(x)]) for b, ((a, _), x) in enumerate(zip(outs, batch))]
+
+
+class DroppedFirstPosition(HFBackend):
+    """Loses the first position and shifts the rest forward (padding the end), as a capture that
+    misses the first token would."""
+    def extract(self, batch):
+        outs = super().extract(batch)
+        return [(torch.cat([a[1:], a[-1:]]), torch.cat([f[1:], f[-1:]])) for a, f in outs]
+
+
+@pytest.mark.parametrize("defect, tap", [(OffByOneTap, "aux_"), (PreNormFinal, "final"),
+                                         (DroppedFirstPosition, "aux_")])
+def test_gate_rejects_injected_defects(smollm2, tmp_path, defect, tap):
+    taps = resolve_taps("auto", smollm2.num_layers)
+    seqs = random_samples(6, 20000, 20, 80, seed=3)
+    tok = write_tokenized(tmp_path / "p.parquet", seqs)
+    out = tmp_path / "hidden" / "p"
+    with pytest.raises(GateFailed) as e:
+        extract_part(part="p", tokenized=tok, target=smollm2, backend=defect(smollm2, taps, device="cpu"), taps=taps,
+                     dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1),
+                     validate_cfg={"samples": 4}, out_dir=out, work_root=tmp_path / "work", batch_tokens=512,
+                     max_seq_len=128, progress=False)
+    assert not out.exists(), "a failed gate must commit nothing"
+    m = e.value.metrics
+    assert not m["validation"]["passed"] and any(f.startswith(tap) for f in m["validation"]["failures"])
+
+
+def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
+    taps = resolve_taps("auto", smollm2.num_layers)
+    tok = write_tokenized(tmp_path / "p.parquet", random_samples(6, 20000, 20, 80, seed=3))
+    m = extract_part(part="p", tokenized=tok, target=smollm2, backend=HFBackend(smollm2, taps, device="cpu"),
+                     taps=taps, dtype="bfloat16", revision=0,
+                     layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1), validate_cfg={"samples": 4},
+                     out_dir=tmp_path / "hidden" / "p", work_root=tmp_path / "work", batch_tokens=512,
+                     max_seq_len=128, progress=False)
+    v = m["validation"]
+    assert v["passed"] and v["lm_head_logits_cosine"]["min"] > 0.98
+    for k in taps:  # the adjacent tap is far below the threshold the real tap clears
+        assert v["taps"][f"aux_{k}"]["cosine_mean"] > v["thresholds"]["min_cosine_mean"] > \
+            v["margin"][f"aux_{k}_vs_adjacent_{k + 1}"]["cosine_mean"]
+
+
+# --- crash safety --------------------------------------------------------------------------------
+
+def _workspace(root, target, seqs):
+    ws = stage_workspace(root, target, base_params(store={"chunk_mb": 0.02, "shard_mb": 0.5}))
+    write_tokenized(ws / "data" / "tokenized" / "p.parquet", seqs)
+    return ws
+
+
+def test_sigkill_then_resume_loses_and_duplicates_nothing(smollm2, tmp_path):
+    seqs = random_samples(24, 20000, 90, 128, seed=4)  # one sample per piece: 24 pieces
+    ws = _workspace(tmp_path / "a", smollm2, seqs)
+    env_cmd = [sys.executable, "-m", "stages.extract", "p", "--no-progress"]
+    proc = subprocess.Popen(env_cmd, cwd=ws, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifests = []
+    deadline = time.time() + 300
+    while time.time() < deadline and len(manifests) < 5:
+        manifests = list((ws / ".eaglenest" / "work").glob("p-*/pieces/*.json"))
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 5 <= len(manifests) < 24, "kill must land mid-extraction"
+    assert not (ws / "data" / "hidden" / "p").exists()
+
+    p = run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws)
+    assert "resuming" in p.stderr
+    resumed = HiddenStore(ws / "data" / "hidden" / "p")
+    assert verify_store(resumed.path, progress=False) == []
+    metrics = json.loads((ws / "metrics" / "extract" / "p.json").read_text())
+    assert metrics["pieces_resumed"] >= 5 and metrics["tokens_extracted_now"] < sum(map(len, seqs))
+
+    clean_ws = _workspace(tmp_path / "b", smollm2, seqs)
+    run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=clean_ws)
+    clean = HiddenStore(clean_ws / "data" / "hidden" / "p")
+    cols = ("id", "key", "start", "length", "digest")
+    assert [tuple(r[c] for c in cols) for r in resumed.index] == [tuple(r[c] for c in cols) for r in clean.index]
+    assert not list((ws / ".eaglenest" / "work").iterdir()), "work dir is cleaned after success"
+
+
+def test_write_failure_is_clear_and_keeps_committed_pieces(smollm2, tmp_path):
+    """A file-size limit stands in for a full disk: clear error, non-zero exit, pieces kept."""
+    seqs = random_samples(6, 20000, 90, 128, seed=5)
+    ws = _workspace(tmp_path / "a", smollm2, seqs)
+    # RLIMIT_FSIZE below one shard: the first shard write fails with EFBIG
+    code = ("import resource, runpy, sys, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000));"
+            "sys.argv=['x','p','--no-progress']; runpy.run_module('stages.extract', run_name='__main__')")
+    p = run_py(["-c", code], cwd=ws, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "writing piece" in p.stderr and "File too large" in p.stderr
+    assert not (ws / "data" / "hidden" / "p").exists()
+    run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws)  # limit lifted: completes
+    assert verify_store(ws / "data" / "hidden" / "p", progress=False) == []

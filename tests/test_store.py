@@ -1,0 +1,107 @@
+"""Store format: bf16 bit-exactness, digests, corruption detection by verify and by readers."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eaglenest.backends.hf import HFBackend
+from eaglenest.bf16 import from_bits, to_bits
+from eaglenest.errors import EaglenestError
+from eaglenest.extract import extract_part
+from eaglenest.extractor import resolve_taps
+from eaglenest.store import HiddenStore, verify_store
+
+from .conftest import REPO, random_samples, run_py, write_tokenized
+
+
+def test_bf16_bits_round_trip_is_exact():
+    x = torch.randn(1000, dtype=torch.float32).to(torch.bfloat16)
+    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 24900.0],
+                                   dtype=torch.bfloat16)])
+    back = from_bits(to_bits(x))
+    assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+
+
+def extract_tiny(tiny_target, tmp_path, codec="zstd", n=12, name="p", batch_tokens=200):
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    seqs = random_samples(n, tiny_target.vocab_size, 33, 60)
+    tok = write_tokenized(tmp_path / f"{name}.parquet", seqs)
+    be = HFBackend(tiny_target, taps, dtype="bfloat16", device="cpu")
+    out = tmp_path / "hidden" / name
+    m = extract_part(part=name, tokenized=tok, target=tiny_target, backend=be, taps=taps, dtype="bfloat16",
+                     revision=0, layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec=codec, level=1),
+                     validate_cfg={"samples": 3}, out_dir=out, work_root=tmp_path / "work", batch_tokens=batch_tokens,
+                     max_seq_len=64, progress=False)
+    return out, seqs, be, m
+
+
+def test_store_round_trip_bit_exact(tiny_target, tmp_path):
+    # batch_tokens 64 < 2 x 33: every sample runs alone, so one-by-one output must match bit for bit
+    out, seqs, be, m = extract_tiny(tiny_target, tmp_path, batch_tokens=64)
+    assert m["committed"] and m["pieces"] > 1 and m["validation"]["passed"]
+    store = HiddenStore(out)
+    assert len(store) == len(seqs) and store.n_tokens == sum(map(len, seqs))
+    assert store.attrs["taps"] == [2, 4, 5]
+    assert store.attrs["target_fingerprint"] == tiny_target.fingerprint
+    for i, s in enumerate(seqs):  # one by one through the backend == what the store holds, bit for bit
+        ids, aux, final = store.read(i)
+        assert store.index[i]["id"] == f"s{i}" and np.array_equal(ids, s)
+        a, f = be.extract([s])[0]
+        assert np.array_equal(aux, to_bits(a)) and np.array_equal(final, to_bits(f))
+    assert verify_store(out, progress=False) == []
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    path.chmod(0o644)
+    b = bytearray(path.read_bytes())
+    b[offset] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def test_flipped_byte_is_named_by_verify_and_reader(tiny_target, tmp_path):
+    out, seqs, _, _ = extract_tiny(tiny_target, tmp_path, codec="none")
+    store = HiddenStore(out)
+    H, C = store.attrs["hidden_size"], store.attrs["layout"]["chunk_tokens"]
+    # uncompressed: shard 0 of `final` is its chunks back to back, rows in order, then the index
+    vi = 0
+    victim = store.index[vi]
+    row = victim["start"] + victim["length"] // 2
+    assert victim["piece"] == 0
+    flip_byte(out / "final" / "c" / "0" / "0", row * H * 2 + 7)
+    bad = verify_store(out, progress=False)
+    assert len(bad) == 1 and f"sample '{victim['id']}'" in bad[0] and "digest mismatch" in bad[0]
+    with pytest.raises(EaglenestError, match=f"store p .*sample '{victim['id']}'"):
+        HiddenStore(out).read(vi)
+    p = run_py(["-m", "eaglenest.cli", "verify", "-q", str(out)], cwd=tmp_path, check=False)
+    assert p.returncode == 1 and victim["id"] in p.stdout
+
+
+def test_flipped_byte_in_compressed_shard_or_shard_index(tiny_target, tmp_path):
+    out, *_ = extract_tiny(tiny_target, tmp_path, codec="zstd")
+    clean = tmp_path / "clean"
+    shutil.copytree(out, clean)
+    shard = out / "aux" / "c" / "0" / "0" / "0"
+    flip_byte(shard, shard.stat().st_size // 3)       # inside compressed chunk data
+    bad = verify_store(out, progress=False)
+    assert bad and all("store p" in b and "sample '" in b for b in bad)
+    shard = clean / "aux" / "c" / "0" / "0" / "0"
+    flip_byte(shard, shard.stat().st_size - 6)          # inside the checksummed shard index
+    bad = verify_store(clean, progress=False)
+    assert bad and all("sample '" in b for b in bad)
+
+
+def test_uncommitted_store_is_never_read_as_valid(tiny_target, tmp_path):
+    out, *_ = extract_tiny(tiny_target, tmp_path)
+    (out / "index.parquet").unlink()
+    with pytest.raises(EaglenestError, match="never committed"):
+        HiddenStore(out)
+    assert verify_store(out, progress=False)
+
+
+def test_verify_cli_ok_exit_zero(tiny_target, tmp_path):
+    out, *_ = extract_tiny(tiny_target, tmp_path)
+    p = run_py(["-m", "eaglenest.cli", "verify", "-q", str(out)], cwd=REPO)
+    assert p.returncode == 0 and "OK" in p.stdout
