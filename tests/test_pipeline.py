@@ -1,0 +1,108 @@
+"""The real DVC pipeline, end to end up to `extract`, on the real SmolLM2 target with a tiny
+params profile, in a fresh clone of this repository."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglenest.store import HiddenStore, verify_store
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def sh(cmd, cwd, check=True, timeout=900):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, cwd=cwd, env=env, shell=True, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def tiny_params() -> dict:
+    p = yaml.safe_load((REPO / "params.yaml").read_text())
+    p["data"] = {"parts": ["tiny-a", "tiny-b"],
+                 "sharegpt": {"tiny-a": {"start": 0, "count": 4}, "tiny-b": {"start": 4, "count": 4}}}
+    p["tokenize"]["max_seq_len"] = 192
+    p["store"].update(chunk_mb=0.1, shard_mb=1)
+    p["validate"]["samples"] = 2
+    return p
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory, smollm2):
+    """A fresh clone of the working tree; the builtin target's conversion is seeded into its DVC
+    run-cache-free workspace by running the real `target` stage once."""
+    root = tmp_path_factory.mktemp("clone") / "repo"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        src = REPO / f
+        if src.is_file() and not f.startswith(("data/", "metrics/")) and f != "dvc.lock":
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / f)
+    for f in ("data/.gitignore",):
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    sh("git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm init", root)
+    return root
+
+
+def test_repro_to_validated_stores_then_noop(clone):
+    p = sh("dvc repro", clone)
+    for stage in ("target", "sharegpt@tiny-a", "tokenize@tiny-b", "extract@tiny-a", "extract@tiny-b"):
+        assert f"Running stage '{stage}'" in p.stdout
+    for part in ("tiny-a", "tiny-b"):
+        store = HiddenStore(clone / "data" / "hidden" / part)
+        m = json.loads((clone / "metrics" / "extract" / f"{part}.json").read_text())
+        tm = json.loads((clone / "metrics" / "tokenize" / f"{part}.json").read_text())
+        assert m["committed"] and m["validation"]["passed"] and m["samples"] == len(store) == tm["samples"]
+        assert store.attrs["taps"] == [2, 15, 27] and store.attrs["hidden_size"] == 576
+        assert store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]
+        assert verify_store(store.path, progress=False) == []
+    assert (clone / "data/hidden/tiny-a/aux/c/0/0/0").stat().st_nlink == 2  # hardlinked into the DVC cache
+    again = sh("dvc repro", clone)
+    assert "Running stage" not in again.stdout and "up to date" in again.stdout
+    assert sh("dvc status", clone).stdout.strip().endswith("Data and pipelines are up to date.")
+    v = sh("eaglenest verify -q data/hidden/tiny-a data/hidden/tiny-b", clone)
+    assert v.stdout.count("OK") == 2
+
+
+def test_bad_user_part_fails_naming_the_line_and_keeps_committed_outputs(clone):
+    if not (clone / "data/hidden/tiny-a/index.parquet").exists():
+        sh("dvc repro", clone)
+    before = (clone / "data/hidden/tiny-a/index.parquet").read_bytes()
+    good = {"id": "u1", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    (clone / "data/parts").mkdir(exist_ok=True)
+    (clone / "data/parts/mine.jsonl").write_text(json.dumps(good) + "\n" + '{"id": "u2", "messages": [\n')
+    sh("dvc add -q data/parts/mine.jsonl", clone)
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["data"]["parts"].append("mine")
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    p = sh("dvc repro", clone, check=False)
+    assert p.returncode != 0
+    assert "data/parts/mine.jsonl:2" in p.stdout + p.stderr
+    assert (clone / "data/hidden/tiny-a/index.parquet").read_bytes() == before
+    assert verify_store(clone / "data/hidden/tiny-a", progress=False) == []
+    # fixed input: only the new part runs
+    (clone / "data/parts/mine.jsonl").write_text(json.dumps(good) + "\n")
+    sh("dvc add -q data/parts/mine.jsonl", clone)
+    p = sh("dvc repro", clone)
+    assert "Running stage 'extract@mine'" in p.stdout and "Running stage 'extract@tiny-a'" not in p.stdout
+
+
+def test_out_of_range_taps_fail_clearly(clone):
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["extract"]["taps"] = [2, 15, 40]
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    p = sh("dvc repro extract@tiny-a", clone, check=False)
+    assert p.returncode != 0 and "extract.taps [2, 15, 40]: [40] out of range" in p.stdout + p.stderr
+    # DVC clears a stage's outs before running it; the committed version is still in the cache
+    sh("dvc checkout -q data/hidden/tiny-a", clone)
+    assert verify_store(clone / "data/hidden/tiny-a", progress=False) == []
