@@ -156,3 +156,13 @@ def load_model(target: Target, dtype: str = "bfloat16", device: str = "cpu", att
                                                  dtype=getattr(torch, dtype), attn_implementation=attn,
                                                  trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+def load_heads(target: Target) -> dict:
+    """The frozen pieces a drafter shares with its target: input embedding [V, H], lm_head [V, H]
+    (the embedding itself when tied) and the final norm weight [H]."""
+    model = load_model(target, dtype="bfloat16", device="cpu")
+    norm = getattr(model.get_decoder(), "norm", None)
+    return {"embed": model.get_input_embeddings().weight.detach().clone(),
+            "lm_head": model.get_output_embeddings().weight.detach().clone(),
+            "final_norm": norm.weight.detach().clone() if norm is not None else None}

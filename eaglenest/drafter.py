@@ -1,0 +1,233 @@
+"""The EAGLE-3 drafter (DESIGN §9). `save_pretrained` writes the serving format SGLang and vLLM load
+as an EAGLE-3 draft: `LlamaForCausalLMEagle3`, one `midlayer`, `fc [H, 3H]`, q/k/v over 2H,
+`lm_head [Vd, H]`, `d2t` (int64 offsets: target = i + d2t[i]) and `t2d` (bool), no embedding.
+
+One attention step serves training-time test and inference: the queried cells attend causally to
+the step-0 keys, plus to their own keys from steps 1..k (the "diagonal")."""
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      apply_rotary_pos_emb)
+
+from .errors import EaglenestError
+from .extractor import default_taps
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    vocab_size: int          # the TARGET vocabulary (engines index the target embedding with it)
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_target_layers: int
+    taps: list = field(default_factory=list)  # internal convention: HF hidden_states indices
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, cfg: dict, draft_vocab_size: int, taps: list[int]) -> "DrafterConfig":
+        cfg = cfg.get("text_config", cfg)
+        rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
+                                              **(cfg.get("rope_scaling") or {})}
+        heads = cfg["num_attention_heads"]
+        return cls(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                   num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg["rms_norm_eps"],
+                   rope_parameters=rope, max_position_embeddings=cfg["max_position_embeddings"],
+                   vocab_size=cfg["vocab_size"], draft_vocab_size=draft_vocab_size,
+                   target_hidden_size=cfg["hidden_size"], num_target_layers=cfg["num_hidden_layers"],
+                   taps=list(taps), hidden_act=cfg.get("hidden_act", "silu"))
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act,
+                           rope_parameters=dict(self.rope_parameters),
+                           max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size)
+
+    def serving_config(self) -> dict:
+        """config.json as engines read it. Aux layer ids are written only for non-default taps, in
+        each engine's own numbering: SGLang's nested id v = OUTPUT of layer v (tap - 1), vLLM's
+        top-level id v = INPUT of layer v (= the tap)."""
+        rope = dict(self.rope_parameters)
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act, "rope_theta": rope.get("rope_theta", 10000.0),
+            "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
+            "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
+            "num_aux_hidden_states": len(self.taps), "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "eaglenest": {"taps": self.taps, "num_target_layers": self.num_target_layers,
+                          "rope_parameters": rope, "tap_semantics": "HF hidden_states index (input of layer)"},
+        }
+        if self.taps != default_taps(self.num_target_layers):
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.taps],
+                                   "use_aux_hidden_state": True}
+            out["eagle_aux_hidden_state_layer_ids"] = list(self.taps)
+        return out
+
+    @classmethod
+    def from_serving_config(cls, d: dict) -> "DrafterConfig":
+        e = d["eaglenest"]
+        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+                   head_dim=d["head_dim"], rms_norm_eps=d["rms_norm_eps"], rope_parameters=e["rope_parameters"],
+                   max_position_embeddings=d["max_position_embeddings"], vocab_size=d["vocab_size"],
+                   draft_vocab_size=d["draft_vocab_size"], target_hidden_size=d["target_hidden_size"],
+                   num_target_layers=e["num_target_layers"], taps=e["taps"], hidden_act=d["hidden_act"])
+
+
+class StepCache:
+    """Keys/values of step 0 for every cell, and of steps 1..k for the queried cells."""
+
+    def __init__(self):
+        self.k0 = self.v0 = None
+        self.diag_k: list[torch.Tensor] = []
+        self.diag_v: list[torch.Tensor] = []
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.nh, self.kvh, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.kvh * self.d, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.kvh * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, c.hidden_size, bias=False)
+
+    def forward(self, u, cos, sin, cache: StepCache, q_offset: int) -> torch.Tensor:
+        """u [B, Tq, 2H] for cells q_offset..q_offset+Tq-1. The first call fills step 0 (all cells)."""
+        B, Tq, _ = u.shape
+        q = self.q_proj(u).view(B, Tq, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(u).view(B, Tq, self.kvh, self.d).transpose(1, 2)
+        v = self.v_proj(u).view(B, Tq, self.kvh, self.d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rep = self.nh // self.kvh
+        if cache.k0 is None:
+            cache.k0, cache.v0 = k, v
+        else:
+            cache.diag_k.append(k)
+            cache.diag_v.append(v)
+        k0, v0 = cache.k0.repeat_interleave(rep, 1), cache.v0.repeat_interleave(rep, 1)
+        scale = self.d ** -0.5
+        s0 = (q @ k0.transpose(-1, -2)) * scale                              # [B, nh, Tq, T0]
+        cells = torch.arange(q_offset, q_offset + Tq, device=u.device)
+        causal = torch.arange(k0.shape[2], device=u.device)[None, :] > cells[:, None]
+        s0 = s0.masked_fill(causal, float("-inf"))
+        dk = [x.repeat_interleave(rep, 1) for x in cache.diag_k]
+        dv = [x.repeat_interleave(rep, 1) for x in cache.diag_v]
+        sd = [((q * x).sum(-1) * scale)[..., None] for x in dk]              # [B, nh, Tq, 1] each
+        p = torch.softmax(torch.cat([s0, *sd], -1).float(), -1).to(q.dtype)
+        out = p[..., :s0.shape[-1]] @ v0
+        for j, x in enumerate(dv):
+            out = out + p[..., s0.shape[-1] + j, None] * x
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.nh * self.d))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        lc = c.llama_config()
+        self.self_attn = Eagle3Attention(c)
+        self.mlp = LlamaMLP(lc)
+        self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, x, emb, cos, sin, cache, q_offset):
+        u = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], -1)
+        h = x + self.self_attn(u, cos, sin, cache, q_offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.config = c
+        self.fc = nn.Linear(len(c.taps) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(c.llama_config())
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, selected: torch.Tensor) -> None:
+        """selected: sorted target ids of the draft vocabulary."""
+        self.d2t.copy_(selected - torch.arange(len(selected)))
+        self.t2d.zero_()
+        self.t2d[selected] = True
+
+    def step(self, x, emb, positions, cache: StepCache, q_offset: int = 0) -> torch.Tensor:
+        """One TTT step: x the hidden input (fc(aux) at step 0, the previous step's h after), emb the
+        token embeddings, positions [Tq] RoPE positions. Returns h [B, Tq, H] (pre-norm)."""
+        cos, sin = self.rotary(x, positions[None])
+        return self.midlayer(x, emb, cos, sin, cache, q_offset)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, n_steps: int) -> list:
+        """Training-time test over every cell at once: logits [B, T, Vd] of steps 0..n_steps-1.
+        Cell t at step k reads token x_{t+1+k} (teacher forcing) at RoPE position t+k."""
+        T = input_ids.shape[1]
+        cache, x, out = StepCache(), self.project(aux), []
+        pos = torch.arange(T, device=input_ids.device)
+        for k in range(n_steps):
+            x = self.step(x, embed(shift_left(input_ids, 1 + k)), pos + k, cache)
+            out.append(self.logits(x))
+        return out
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, T, n_aux, Ht] -> g [B, T, H]."""
+        return self.fc(aux.flatten(-2))
+
+    # --- serving format --------------------------------------------------------------------------
+    def save_pretrained(self, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
+        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        (out_dir / "config.json").write_text(json.dumps(self.config.serving_config(), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, path: Path, dtype=torch.float32) -> "Eagle3Drafter":
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise EaglenestError(f"{path}: no drafter config.json")
+        cfg = DrafterConfig.from_serving_config(json.loads((path / "config.json").read_text()))
+        model = cls(cfg)
+        state = load_file(str(path / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.startswith("rotary.")]
+        if missing or unexpected:
+            raise EaglenestError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+        return model.to(dtype)
+
+
+def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x[:, s:] padded with zeros at the end to the same length."""
+    return torch.cat([x[:, s:], torch.zeros_like(x[:, :s])], 1) if s else x
+
+
+def soft_ce(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
+    """Per-position soft cross-entropy (= forward KL + const)."""
+    return -(target_p * F.log_softmax(logits.float(), -1)).sum(-1)

@@ -1,0 +1,99 @@
+"""Offline speculative decoding with the target (HF, KV cache) and an EAGLE-3 drafter (DESIGN §10):
+chain drafting of k tokens, greedy verification. Lossless: the output is the target's greedy
+decoding. Acceptance length counts the bonus token (no speculation = 1.0, SGLang's convention)."""
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .drafter import Eagle3Drafter, StepCache
+
+
+@dataclass
+class Decoded:
+    tokens: list
+    seconds: float
+    target_forwards: int = 0
+    accepted: list = field(default_factory=list)  # accepted drafts per verification (0..k)
+
+
+class TargetRunner:
+    def __init__(self, model, taps: list[int]):
+        self.model, self.taps = model, list(taps)
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], cache: DynamicCache, start: int):
+        """Run `ids` at positions start.. with the cache; (greedy next ids, aux [n, 3, H])."""
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        out = self.model(input_ids=x, cache=cache, position_ids=pos, use_cache=True,
+                         output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[j][0] for j in self.taps], 1)
+        return out.logits[0].argmax(-1).tolist(), aux
+
+
+def greedy_decode(runner: TargetRunner, prompt: list[int], max_new: int, eos: set) -> Decoded:
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    nxt, _ = runner.forward(prompt, cache, 0)
+    out, n = [nxt[-1]], len(prompt)
+    while len(out) < max_new and out[-1] not in eos:
+        nxt, _ = runner.forward([out[-1]], cache, n)
+        n += 1
+        out.append(nxt[-1])
+    return Decoded(out, time.perf_counter() - t0, target_forwards=len(out))
+
+
+@torch.inference_mode()
+def draft_chain(drafter: Eagle3Drafter, embed, feats: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
+    """feats [n, 3, H] of positions 0..n-1, tokens [n+1] (ids 0..n). Cells 0..n-1 run step 0 with
+    (feats_t, x_{t+1}); the last cell then drafts k tokens, each step feeding its own h back."""
+    n = feats.shape[0]
+    dtype = drafter.fc.weight.dtype
+    cache = StepCache()
+    x = drafter.step(drafter.project(feats[None].to(dtype)), embed(tokens[None, 1:]).to(dtype),
+                     torch.arange(n, device=feats.device), cache)
+    h = x[:, -1:]
+    drafts = []
+    for j in range(k):
+        top = int(drafter.logits(h)[0, -1].argmax())
+        d = top + int(drafter.d2t[top])
+        drafts.append(d)
+        if j == k - 1:
+            break
+        pos = torch.tensor([n - 1 + j + 1], device=feats.device)
+        h = drafter.step(h, embed(torch.tensor([[d]], device=feats.device)).to(dtype), pos, cache, q_offset=n - 1)
+    return drafts
+
+
+def speculative_decode(runner: TargetRunner, drafter: Eagle3Drafter, embed, prompt: list[int], max_new: int,
+                       eos: set, k: int, draft_fn=draft_chain) -> Decoded:
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    nxt, feats = runner.forward(prompt, cache, 0)
+    out = [nxt[-1]]
+    seq = list(prompt) + out           # features are known for seq[:-1]
+    forwards, accepted = 1, []
+    while len(out) < max_new and out[-1] not in eos:
+        drafts = draft_fn(drafter, embed, feats, torch.tensor(seq, device=feats.device), k)
+        n = len(seq) - 1               # KV cache holds positions 0..n-1
+        greedy, new_feats = runner.forward([seq[-1]] + drafts, cache, n)
+        forwards += 1
+        a = 0
+        while a < k and drafts[a] == greedy[a]:
+            a += 1
+        accepted.append(a)
+        new = drafts[:a] + [greedy[a]]
+        if a < k:  # drop the rejected drafts' keys/values (transformers 5: a negative count)
+            cache.crop(-(k - a))
+        assert cache.get_seq_length() == n + a + 1
+        feats = torch.cat([feats, new_feats[:a + 1]])
+        seq += new
+        out += new
+        for i, t in enumerate(out):  # stop exactly where greedy decoding would
+            if t in eos:
+                out = out[:i + 1]
+                break
+    return Decoded(out[:max_new], time.perf_counter() - t0, target_forwards=forwards, accepted=accepted)

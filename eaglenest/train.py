@@ -1,0 +1,241 @@
+"""Train an EAGLE-3 drafter on packed shards (DESIGN §9): TTT loss, AdamW, warmup + cosine,
+grad clip, bf16 autocast, exact resume, DDP under torchrun (gloo on CPU, NCCL on CUDA).
+
+A global step consumes `micro_batches` micro-batches; rank r of W takes every W-th of them, so
+any world size sees the same global batch and — with losses normalised by the global masked-token
+count — the same gradient."""
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .drafter import DrafterConfig, Eagle3Drafter
+from .errors import EaglenestError
+from .hashing import sha256_text
+from .packed import PackedSplit, collate, epoch_batches, load_vocab
+from .target import Target, load_heads
+from .ttt import ttt_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    lr: float = 3e-4
+    warmup: float = 0.05          # fraction of all steps
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 3
+    decay: float = 0.8
+    batch_tokens: int = 4096      # padded tokens per micro-batch
+    micro_batches: int = 2        # per optimizer step, over all ranks
+    seed: int = 0
+    autocast: str = "auto"        # auto (bf16 where supported) | bf16 | none
+    ckpt_every: int = 50          # optimizer steps between checkpoints
+    device: str = "auto"
+
+
+def simulated_acceptance(acc: list[float]) -> float:
+    """tau = 1 + sum_k prod_{i<=k} acc_i (includes the bonus token; no speculation = 1.0)."""
+    tau, p = 1.0, 1.0
+    for a in acc:
+        p *= a
+        tau += p
+    return tau
+
+
+def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
+    """Masked-token count per TTT step of these samples (same rule as ttt.step_masks)."""
+    out = np.zeros(K)
+    for i in idx:
+        x = split.get(i)
+        lm, iv = np.asarray(x["loss_mask"], np.int64), np.asarray(x["in_vocab"], np.int64)
+        for k in range(K):
+            out[k] += (lm[2 + k:] * iv[1 + k:len(lm) - 1]).sum()
+    return out
+
+
+class Trainer:
+    def __init__(self, packed: Path, target: Target, cfg: TrainConfig, ckpt_dir: Path):
+        self.cfg, self.ckpt_dir = cfg, Path(ckpt_dir)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if dev == "cuda" and self.world > 1:
+            dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(dev)
+        self.device = torch.device(dev)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.train_split, self.val_split = PackedSplit(packed, "train"), PackedSplit(packed, "val")
+        man = self.train_split.manifest
+        if man["target_fingerprint"] != target.fingerprint:
+            raise EaglenestError(f"{packed}: packed for target {man['target_fingerprint'][:16]}, "
+                                 f"not {target.fingerprint[:16]}")
+        vocab = load_vocab(packed)
+        heads = load_heads(target)
+        tcfg = json.loads((target.model_dir / "config.json").read_text())
+        dcfg = DrafterConfig.from_target(tcfg, int(man["draft_vocab_size"]), man["taps"])
+        torch.manual_seed(cfg.seed)
+        model = Eagle3Drafter(dcfg)
+        model.set_vocab(vocab["selected"])
+        with torch.no_grad():  # start from the target's own output head and norm (speeds up learning)
+            model.lm_head.weight.copy_(heads["lm_head"][vocab["selected"]].float())
+            if heads["final_norm"] is not None:
+                model.norm.weight.copy_(heads["final_norm"].float())
+        self.model = model.to(self.device)
+        self.embed = torch.nn.Embedding.from_pretrained(heads["embed"].float(), freeze=True).to(self.device)
+        self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model)
+        self.K = cfg.ttt_steps
+        if cfg.micro_batches % self.world:
+            raise EaglenestError(f"train.micro_batches {cfg.micro_batches} must be a multiple of the world size {self.world}")
+        self.steps_per_epoch = len(epoch_batches(self.train_split, 0, cfg.seed, cfg.batch_tokens)) // cfg.micro_batches
+        if self.steps_per_epoch == 0:
+            raise EaglenestError(f"too little training data for one step of {cfg.micro_batches} micro-batches")
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.95), fused=fused)
+        warm = max(1, int(cfg.warmup * self.total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / self.total_steps))))
+        use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (
+            self.device.type == "cuda" or torch.backends.mkldnn.is_available()))
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+        self.key = sha256_text(json.dumps(asdict(cfg), sort_keys=True), man["target_fingerprint"],
+                               json.dumps(man["shards"], sort_keys=True), str(self.world))[:16]
+        self.state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [], "epochs": []}
+
+    # --- checkpoints --------------------------------------------------------------------------
+    @property
+    def ckpt_path(self) -> Path:
+        return self.ckpt_dir / f"last-{self.key}.pt"
+
+    def save_checkpoint(self) -> None:
+        if self.rank != 0:
+            return
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.ckpt_path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                    "state": self.state, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                                 "python": random.getstate()}}, tmp)
+        os.replace(tmp, self.ckpt_path)
+
+    def maybe_resume(self) -> bool:
+        if not self.ckpt_path.is_file():
+            return False
+        ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["opt"])
+        self.sched.load_state_dict(ck["sched"])
+        self.state = ck["state"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        np.random.set_state(ck["rng"]["numpy"])
+        random.setstate(ck["rng"]["python"])
+        log.info("resumed from %s at epoch %d step %d", self.ckpt_path, self.state["epoch"], self.state["step_in_epoch"])
+        return True
+
+    # --- steps ----------------------------------------------------------------------------------
+    def _to_dev(self, b: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+
+    def train_step(self, micro: list[list[int]]) -> torch.Tensor:
+        denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
+        mine = micro[self.rank::self.world]
+        stats = torch.zeros(self.K, 3, device=self.device)
+        self.opt.zero_grad(set_to_none=True)
+        for j, mb in enumerate(mine):
+            sync = j == len(mine) - 1
+            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else _null()
+            with ctx:
+                with self.autocast:
+                    loss, st = ttt_loss(self.ddp, self._to_dev(collate(self.train_split, mb)), self.embed,
+                                        self.head_sel, self.K, denom, self.cfg.decay)
+                (loss * self.world).backward()  # DDP averages over ranks; the loss is a global sum
+            stats += st.float()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        if self.world > 1:
+            dist.all_reduce(stats)
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        stats = torch.zeros(self.K, 3, device=self.device)
+        batches = epoch_batches(self.val_split, 0, self.cfg.seed, self.cfg.batch_tokens)
+        for mb in batches[self.rank::self.world]:
+            with self.autocast:
+                _, st = ttt_loss(self.model, self._to_dev(collate(self.val_split, mb)), self.embed, self.head_sel,
+                                 self.K, [1.0] * self.K, self.cfg.decay)
+            stats += st.float()
+        if self.world > 1:
+            dist.all_reduce(stats)
+        return summarize(stats)
+
+    def fit(self, on_epoch=None, stop_after_steps: int | None = None, progress: bool = True) -> dict:
+        from tqdm import tqdm
+        self.maybe_resume()
+        t0, tokens = time.time(), 0
+        bar = tqdm(total=self.total_steps, initial=self.state["global_step"], unit="step", desc="train",
+                   disable=not progress or self.rank != 0)
+        while self.state["epoch"] < self.cfg.epochs:
+            ep = self.state["epoch"]
+            batches = epoch_batches(self.train_split, ep, self.cfg.seed, self.cfg.batch_tokens)
+            M = self.cfg.micro_batches  # an incomplete tail step is dropped: every world size sees the same steps
+            steps = [batches[i:i + M] for i in range(0, len(batches) - M + 1, M)]
+            ep_stats = torch.zeros(self.K, 3, device=self.device)
+            for s in range(self.state["step_in_epoch"], len(steps)):
+                st = self.train_step(steps[s])
+                ep_stats += st
+                tokens += sum(self.train_split.length(i) for mb in steps[s] for i in mb)
+                loss = float(sum((self.cfg.decay ** k) * st[k, 0] / max(1.0, float(st[k, 2])) for k in range(self.K)))
+                self.state["history"].append({"step": self.state["global_step"], "loss": loss,
+                                              "lr": self.sched.get_last_lr()[0]})
+                self.state["global_step"] += 1
+                self.state["step_in_epoch"] = s + 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}")
+                if self.state["global_step"] % self.cfg.ckpt_every == 0:
+                    self.save_checkpoint()
+                if stop_after_steps is not None and self.state["global_step"] >= stop_after_steps:
+                    self.save_checkpoint()
+                    bar.close()
+                    return {"stopped_at": self.state["global_step"]}
+            summary = {"epoch": ep, "train": summarize(ep_stats), "val": self.evaluate()}
+            self.state["epochs"].append(summary)
+            self.state["epoch"], self.state["step_in_epoch"] = ep + 1, 0
+            self.save_checkpoint()
+            if on_epoch and self.rank == 0:
+                on_epoch(summary)
+        bar.close()
+        elapsed = time.time() - t0
+        return {"epochs": self.state["epochs"], "history": self.state["history"],
+                "tokens_per_s": round(tokens / elapsed, 1) if tokens else None, "world_size": self.world}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def summarize(stats: torch.Tensor) -> dict:
+    """stats [K, 3] = per-step sums of (CE, correct, mask)."""
+    s = stats.detach().cpu().double()
+    acc = [float(s[k, 1] / max(1.0, s[k, 2])) for k in range(len(s))]
+    ce = [float(s[k, 0] / max(1.0, s[k, 2])) for k in range(len(s))]
+    return {"loss": ce[0], "ce_per_step": ce, "acc_per_step": acc, "simulated_tau": simulated_acceptance(acc),
+            "tokens": int(s[0, 2])}

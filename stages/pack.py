@@ -1,0 +1,32 @@
+"""Stage `pack`: every part's store -> draft vocabulary + train/val shards (data/packed).
+
+    python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb)
+"""
+import argparse
+from pathlib import Path
+
+from eaglenest.atomic import write_json
+from eaglenest.errors import exit_on_error
+from eaglenest.pack import pack
+from eaglenest.target import load_heads, load_target
+
+from . import _params
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    params = _params.load()
+    p = params["pack"]
+    target = load_target(Path("data/target"))
+    metrics = pack(params["data"]["parts"], Path("data/hidden"), Path("data/tokenized"), Path("data/packed"),
+                   lm_head=load_heads(target)["lm_head"], draft_vocab_size=int(p["draft_vocab_size"]),
+                   val_fraction=float(p["val_fraction"]), shard_mb=float(p.get("shard_mb", 256)),
+                   progress=not args.no_progress)
+    write_json(Path("metrics/pack.json"), metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Stage `train`: the EAGLE-3 drafter on data/packed, exported to data/drafter in the serving format.
+
+    python -m stages.train                                   (one process)
+    torchrun --nproc-per-node 2 -m stages.train              (DDP; gloo on CPU, NCCL on GPU)
+params: train.* (epochs, lr, warmup, ttt_steps, batch_tokens, micro_batches, ...). Checkpoints go
+to .eaglenest/train/ (outside DVC outputs); a rerun with the same config resumes exactly.
+dvclive logs per-epoch loss, accuracy per TTT step and simulated acceptance length.
+"""
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+from eaglenest.atomic import write_json
+from eaglenest.errors import exit_on_error
+from eaglenest.target import load_target
+from eaglenest.train import TrainConfig, Trainer
+
+from . import _params
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stop-after-steps", type=int, help="stop (checkpointed) after N global steps; for tests")
+    ap.add_argument("--out", default="data/drafter")
+    ap.add_argument("--metrics", default="metrics/train.json")
+    ap.add_argument("--ckpt-dir", default=".eaglenest/train")
+    args = ap.parse_args(argv)
+    p = _params.load("train")
+    cfg = TrainConfig(**{f.name: p[f.name] for f in fields(TrainConfig) if f.name in p})
+    trainer = Trainer(Path("data/packed"), load_target(Path("data/target")), cfg, Path(args.ckpt_dir))
+    rank0 = trainer.rank == 0
+    live = None
+    if rank0 and args.stop_after_steps is None:
+        from dvclive import Live
+        live = Live("dvclive", dvcyaml=None, save_dvc_exp=False, report=None)
+
+    def on_epoch(s):
+        if live is None:
+            return
+        for split in ("train", "val"):
+            live.log_metric(f"{split}/loss", s[split]["loss"])
+            live.log_metric(f"{split}/simulated_tau", s[split]["simulated_tau"])
+            for k, a in enumerate(s[split]["acc_per_step"]):
+                live.log_metric(f"{split}/acc_step{k}", a)
+        live.next_step()
+
+    result = trainer.fit(on_epoch=on_epoch, stop_after_steps=args.stop_after_steps)
+    if live is not None:
+        live.end()
+    if not rank0:
+        return
+    # per-step loss curve, for comparing runs (resume, world sizes)
+    write_json(Path(args.ckpt_dir) / "history.json", trainer.state["history"])
+    if args.stop_after_steps is None:
+        trainer.model.save_pretrained(Path(args.out))
+        last = result["epochs"][-1]
+        write_json(Path(args.metrics), {
+            "epochs": len(result["epochs"]), "steps": trainer.state["global_step"],
+            "tokens_per_s": result["tokens_per_s"], "world_size": result["world_size"],
+            "train_loss": last["train"]["loss"], "val_loss": last["val"]["loss"],
+            "val_acc_per_step": last["val"]["acc_per_step"], "val_simulated_tau": last["val"]["simulated_tau"],
+            "train_simulated_tau": last["train"]["simulated_tau"]})
+
+
+if __name__ == "__main__":
+    main()

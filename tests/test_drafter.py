@@ -1,0 +1,115 @@
+"""Drafter: shapes, serving format, TTT against a naive recomputation, vocab mapping."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from eaglenest.drafter import DrafterConfig, Eagle3Drafter
+from eaglenest.vocab import build_vocab
+
+TARGET_CFG = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "max_position_embeddings": 256, "vocab_size": 300, "num_hidden_layers": 8}
+
+
+def make_drafter(vd=40, taps=(2, 4, 5), seed=0):
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(DrafterConfig.from_target(TARGET_CFG, vd, list(taps)))
+    for p in d.parameters():  # non-trivial norms too
+        torch.nn.init.normal_(p, std=0.2) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
+    d.set_vocab(torch.arange(0, 300, 300 // vd)[:vd])
+    return d
+
+
+def test_forward_shapes():
+    d = make_drafter()
+    aux, ids = torch.randn(2, 11, 3, 64), torch.randint(0, 300, (2, 11))
+    out = d(aux, ids, torch.nn.Embedding(300, 64), 3)
+    assert len(out) == 3 and all(o.shape == (2, 11, 40) for o in out)
+
+
+def test_export_format_and_bit_exact_round_trip(tmp_path):
+    d = make_drafter().to(torch.bfloat16)
+    d.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["vocab_size"] == 300 and cfg["draft_vocab_size"] == 40 and cfg["tie_word_embeddings"] is False
+    assert cfg["rope_theta"] == 10000.0 and cfg["head_dim"] == 16 and cfg["num_key_value_heads"] == 2
+    # default taps [2, L//2, L-3] = [2, 4, 5] for L=8: no layer ids written
+    assert "eagle_config" not in cfg and "eagle_aux_hidden_state_layer_ids" not in cfg
+    w = load_file(str(tmp_path / "model.safetensors"))
+    expect = {"fc.weight": (64, 192), "midlayer.self_attn.q_proj.weight": (64, 128),
+              "midlayer.self_attn.k_proj.weight": (32, 128), "midlayer.self_attn.v_proj.weight": (32, 128),
+              "midlayer.self_attn.o_proj.weight": (64, 64), "midlayer.mlp.gate_proj.weight": (96, 64),
+              "midlayer.mlp.up_proj.weight": (96, 64), "midlayer.mlp.down_proj.weight": (64, 96),
+              "midlayer.hidden_norm.weight": (64,), "midlayer.input_layernorm.weight": (64,),
+              "midlayer.post_attention_layernorm.weight": (64,), "norm.weight": (64,), "lm_head.weight": (40, 64),
+              "d2t": (40,), "t2d": (300,)}
+    assert {k: tuple(v.shape) for k, v in w.items()} == expect
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert not any("embed" in k for k in w)
+    back = Eagle3Drafter.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for k, v in d.state_dict().items():
+        if not k.startswith("rotary."):
+            assert torch.equal(v, back.state_dict()[k]), k
+
+
+def test_custom_taps_written_per_engine_convention(tmp_path):
+    make_drafter(taps=(1, 3, 6)).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]  # SGLang: output of layer v
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]                  # vLLM: input of layer v
+
+
+def naive_layer(d: Eagle3Drafter, xs, embs, positions):
+    """The drafter's layer over an explicit sequence with plain causal attention."""
+    L = d.midlayer
+    u = torch.cat([L.input_layernorm(embs), L.hidden_norm(xs)], -1)[None]
+    a = L.self_attn
+    T = u.shape[1]
+    q = a.q_proj(u).view(1, T, a.nh, a.d).transpose(1, 2)
+    k = a.k_proj(u).view(1, T, a.kvh, a.d).transpose(1, 2)
+    v = a.v_proj(u).view(1, T, a.kvh, a.d).transpose(1, 2)
+    cos, sin = d.rotary(u, torch.tensor(positions)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    rep = a.nh // a.kvh
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+    h = xs[None] + a.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+    return (h + L.mlp(L.post_attention_layernorm(h)))[0]
+
+
+def test_ttt_unroll_equals_naive_recomputation():
+    torch.manual_seed(1)
+    d = make_drafter().double()
+    emb = torch.nn.Embedding(300, 64).double()
+    T, K = 9, 4
+    aux, ids = torch.randn(1, T, 3, 64, dtype=torch.double), torch.randint(0, 300, (1, T))
+    ttt = d(aux, ids, emb, K)
+    g = d.project(aux)[0]
+    for t in range(T - K):
+        # step-0 cells 0..t, then cell t's chain: each entry feeds the previous entry's output
+        xs, es, pos = list(g[:t + 1]), [emb(ids[0, s + 1]) for s in range(t + 1)], list(range(t + 1))
+        for k in range(K):
+            h = naive_layer(d, torch.stack(xs), torch.stack(es), pos)[-1]
+            # RoPE tables are float32 inside transformers: 1e-5, not 1e-12; a mask or position bug is O(1)
+            assert torch.allclose(d.logits(h), ttt[k][0, t], atol=1e-5), (t, k, (d.logits(h) - ttt[k][0, t]).abs().max())
+            xs.append(h)
+            es.append(emb(ids[0, t + 2 + k]) if t + 2 + k < T else emb(torch.tensor(0)))
+            pos.append(t + 1 + k)
+
+
+def test_vocab_mapping():
+    counts = np.zeros(50, dtype=np.int64)
+    counts[[7, 3, 40, 11]] = [5, 9, 1, 2]
+    sel, d2t, t2d = build_vocab(counts, 3)
+    assert sel.tolist() == [3, 7, 11] and all(sel[i] == i + d2t[i] for i in range(3))
+    assert t2d.sum() == 3 and t2d[[3, 7, 11]].all()
+    # more slots than distinct tokens: padded with the smallest unused ids, still consistent
+    sel, d2t, t2d = build_vocab(counts, 6)
+    assert sel.tolist() == [0, 1, 3, 7, 11, 40] and (np.arange(6) + d2t == sel).all() and t2d.sum() == 6
+    with pytest.raises(ValueError):
+        build_vocab(counts, 51)
