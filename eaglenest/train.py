@@ -147,7 +147,8 @@ class Trainer:
 
     # --- steps ----------------------------------------------------------------------------------
     def _to_dev(self, b: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+        # hidden states arrive as bf16; master math is fp32 (autocast, when on, picks bf16 kernels)
+        return {k: (v.float() if v.is_floating_point() else v).to(self.device, non_blocking=True) for k, v in b.items()}
 
     def train_step(self, micro: list[list[int]]) -> torch.Tensor:
         denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()

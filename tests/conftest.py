@@ -68,8 +68,8 @@ def write_tokenized(path: Path, seqs, names=None) -> Path:
     return path
 
 
-def run_py(args, cwd, check=True, timeout=600, **kw):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+def run_py(args, cwd, check=True, timeout=600, env_extra=None, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     p = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=timeout, **kw)
     if check and p.returncode != 0:
@@ -101,3 +101,44 @@ def base_params(**over) -> dict:
     for k, v in over.items():
         p[k] = {**p.get(k, {}), **v}
     return p
+
+
+@pytest.fixture(scope="session")
+def tiny_packed(tiny_target, tmp_path_factory):
+    """Two parts of random token sequences extracted from the tiny target and packed; returns a
+    stage workspace holding data/target and data/packed."""
+    import pyarrow as pa
+    from eaglenest.backends.hf import HFBackend
+    from eaglenest.extract import extract_part
+    from eaglenest.extractor import resolve_taps
+    from eaglenest.pack import pack
+    from eaglenest.target import load_heads
+    ws = stage_workspace(tmp_path_factory.mktemp("packed") / "ws", tiny_target, base_params())
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    rng = np.random.default_rng(7)
+    for part, seed in (("a", 1), ("b", 2)):
+        seqs = random_samples(24, 64, 20, 60, seed=seed)  # a small alphabet: learnable statistics
+        masks = [(rng.random(len(s)) < 0.7).astype(np.uint8) for s in seqs]
+        names = [f"{part}{i}" for i in range(len(seqs))]
+        tok = ws / "data" / "tokenized" / f"{part}.parquet"
+        tok.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": names, "input_ids": [s.tolist() for s in seqs],
+                                 "loss_mask": [m.tolist() for m in masks], "n_tokens": [len(s) for s in seqs]},
+                                schema=SCHEMA), tok)
+        extract_part(part=part, tokenized=tok, target=tiny_target,
+                     backend=HFBackend(tiny_target, taps, device="cpu"), taps=taps, dtype="bfloat16", revision=0,
+                     layout_cfg=dict(chunk_mb=0.01, shard_mb=0.1, codec="zstd", level=1),
+                     validate_cfg={"samples": 2}, out_dir=ws / "data" / "hidden" / part,
+                     work_root=ws / ".eaglenest" / "work", batch_tokens=512, max_seq_len=64, progress=False)
+    pack(["a", "b"], ws / "data" / "hidden", ws / "data" / "tokenized", ws / "data" / "packed",
+         lm_head=load_heads(tiny_target)["lm_head"], draft_vocab_size=48, val_fraction=0.15, shard_mb=0.05,
+         progress=False)
+    return ws
+
+
+def train_params(**over) -> dict:
+    t = {"epochs": 2, "lr": 0.003, "warmup": 0.1, "weight_decay": 0.0, "grad_clip": 0.5, "ttt_steps": 3,
+         "decay": 0.8, "batch_tokens": 240, "micro_batches": 2, "seed": 0, "autocast": "none", "ckpt_every": 1,
+         "device": "cpu"}
+    t.update(over)
+    return t

@@ -32,6 +32,9 @@ def tiny_params() -> dict:
     p["tokenize"]["max_seq_len"] = 192
     p["store"].update(chunk_mb=0.1, shard_mb=1)
     p["validate"]["samples"] = 2
+    p["pack"].update(draft_vocab_size=1024, val_fraction=0.25)
+    p["train"].update(epochs=1, batch_tokens=512, micro_batches=1, ttt_steps=2)
+    p["evaluate"].update(questions=2, max_new_tokens=6, k=2)
     return p
 
 
@@ -56,7 +59,8 @@ def clone(tmp_path_factory, smollm2):
 
 def test_repro_to_validated_stores_then_noop(clone):
     p = sh("dvc repro", clone)
-    for stage in ("target", "sharegpt@tiny-a", "tokenize@tiny-b", "extract@tiny-a", "extract@tiny-b"):
+    for stage in ("target", "sharegpt@tiny-a", "generate@tiny-a", "tokenize@tiny-b", "extract@tiny-a",
+                  "extract@tiny-b", "pack", "train", "evaluate"):
         assert f"Running stage '{stage}'" in p.stdout
     for part in ("tiny-a", "tiny-b"):
         store = HiddenStore(clone / "data" / "hidden" / part)
@@ -72,6 +76,25 @@ def test_repro_to_validated_stores_then_noop(clone):
     assert sh("dvc status", clone).stdout.strip().endswith("Data and pipelines are up to date.")
     v = sh("eaglenest verify -q data/hidden/tiny-a data/hidden/tiny-b", clone)
     assert v.stdout.count("OK") == 2
+    ev = json.loads((clone / "metrics/evaluate.json").read_text())
+    assert ev["questions"] == 2 and ev["mismatches"] == 0 and ev["tau"] >= 1.0
+    assert json.loads((clone / "data/drafter/config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_metrics_diff_shows_a_changed_training_param(clone):
+    if not (clone / "metrics/train.json").exists():
+        sh("dvc repro", clone)
+    sh("git add -A && git -c user.email=t@t -c user.name=t commit -qm run1", clone)
+    before = json.loads((clone / "metrics/train.json").read_text())
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["train"]["lr"] = params["train"]["lr"] / 10
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    p = sh("dvc repro", clone)
+    assert "Running stage 'train'" in p.stdout and "Running stage 'extract@tiny-a'" not in p.stdout
+    assert "train.lr" in sh("dvc params diff", clone).stdout
+    diff = json.loads(sh("dvc metrics diff --json", clone).stdout)
+    changed = diff["metrics/train.json"]
+    assert changed["train_loss"]["old"] == before["train_loss"] and changed["train_loss"]["diff"] != 0
 
 
 def test_bad_user_part_fails_naming_the_line_and_keeps_committed_outputs(clone):
