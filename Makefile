@@ -8,7 +8,7 @@ SHELL   := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PIPQ    := 2>&1 | { grep -v "is ignored: it is neither" || true; }
 
-.PHONY: setup repro test bench clean-venv
+.PHONY: setup repro test bench clean-venv sshd
 
 setup: $(STAMP)
 
@@ -24,7 +24,13 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 repro: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
-test: setup
+# The remote tests start a real sshd on 127.0.0.1 (Debian's openssh-server).
+sshd:
+	@command -v sshd >/dev/null || test -x /usr/sbin/sshd || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; } || \
+	  echo "openssh-server could not be installed: the SSH remote tests will be skipped"
+
+test: setup sshd
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -x -q $(PYTEST_ARGS)
 
 bench: setup

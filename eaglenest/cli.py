@@ -3,6 +3,8 @@
     eaglenest verify data/hidden/*      re-hash every sample; exit 1 if any does not match
     eaglenest info data/hidden/<part>   attributes, sample and token counts
     eaglenest stores [data/hidden]      list stores grouped by extractor fingerprint
+    eaglenest invalidate                list extractor fingerprints and the parts each one made
+    eaglenest invalidate FP [--run]     re-extract exactly the parts made by extractor FP (prefix)
 """
 import argparse
 import json
@@ -52,6 +54,39 @@ def cmd_stores(args) -> int:
     return 0
 
 
+def parts_by_extractor(root: Path) -> dict[str, list[str]]:
+    out = defaultdict(list)
+    for path in find_stores(root):
+        try:
+            out[HiddenStore(path).attrs["extractor_fingerprint"]].append(path.name)
+        except EaglenestError as e:
+            print(f"UNREADABLE {path}: {e}")
+    return out
+
+
+def cmd_invalidate(args) -> int:
+    """The CLI edge that drives DVC: the library itself knows nothing of it."""
+    import subprocess
+    groups = parts_by_extractor(Path(args.root))
+    if not args.fingerprint:
+        cmd_stores(args)
+        return 0
+    hits = [fp for fp in groups if fp.startswith(args.fingerprint)]
+    if len(hits) != 1:
+        raise EaglenestError(f"extractor fingerprint prefix {args.fingerprint!r} matches {len(hits)} of "
+                             f"{len(groups)} extractors; give a longer prefix (see `eaglenest invalidate`)")
+    parts = sorted(groups[hits[0]])
+    cmds = [["dvc", "repro", "--force", "--single-item", f"extract@{p}"] for p in parts]
+    print(f"extractor {hits[0][:16]} made {len(parts)} part(s): {', '.join(parts)}")
+    for c in cmds:
+        print(("running: " if args.run else "would run: ") + " ".join(c))
+        if args.run and subprocess.run(c).returncode != 0:
+            raise EaglenestError(f"`{' '.join(c)}` failed; the previous versions stay in the DVC cache")
+    print("then `dvc repro` rebuilds what depends on them (pack, train, evaluate)" if args.run else
+          "add --run to do it; old versions stay in the DVC cache until `dvc gc`")
+    return 0
+
+
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="eaglenest", description=__doc__,
@@ -67,6 +102,11 @@ def main(argv=None) -> None:
     s = sub.add_parser("stores", help="list stores by extractor fingerprint")
     s.add_argument("root", nargs="?", default="data/hidden")
     s.set_defaults(fn=cmd_stores)
+    inv = sub.add_parser("invalidate", help="re-extract the parts made by one extractor fingerprint")
+    inv.add_argument("fingerprint", nargs="?", help="extractor fingerprint (a unique prefix)")
+    inv.add_argument("--run", action="store_true", help="run the dvc commands (default: only print them)")
+    inv.add_argument("--root", default="data/hidden")
+    inv.set_defaults(fn=cmd_invalidate)
     args = ap.parse_args(argv)
     sys.exit(args.fn(args))
 

@@ -25,7 +25,8 @@ from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
 from .hashing import sha256_file, sha256_text
 from .pieces import Piece, length_batches, plan_pieces
-from .store import INDEX, SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, sample_digest, write_index
+from .store import (SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, sample_digest,
+                    write_checksums, write_index)
 from .target import Target
 from .validate import Reference, run_gate
 
@@ -180,7 +181,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     if len(rows) != len(seqs):
         raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
     write_index(work.store, rows)
-    store = HiddenStore(work.store)
+    store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
     gate_metrics, passed = _gate(store, target, taps, validate_cfg, backend)
     stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
@@ -257,8 +258,7 @@ def _gate(store: HiddenStore, target: Target, taps, cfg: dict, backend) -> tuple
 def _finalize(work: WorkDir, out_dir: Path) -> None:
     for junk in work.store.rglob("*.partial"):  # temp files of writes a crash interrupted
         junk.unlink()
-    if not (work.store / INDEX).is_file():
-        raise EaglenestError(f"{work.store}: no index; refusing to publish")
+    write_checksums(work.store)  # the commit point of the store itself
     out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)

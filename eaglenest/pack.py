@@ -5,6 +5,7 @@ vocabulary and train/val shards laid out for sequential reads.
     <out>/{train,val}/<NNNNN>/      aux.npy [T,3,H] u16, final.npy [T,H] u16, input_ids.npy [T] i32,
                                     loss_mask.npy [T] u8, in_vocab.npy [T] u8, offsets.npy [n+1] i64
     <out>/manifest.json             fingerprints, taps, shard list
+    <out>/index.parquet             per sample, in packed order: key, part, id, split, digest
 
 Samples are ordered by key (a hash: shuffled, deterministic, independent of part order); the
 split is by key too, so adding a part never moves an existing sample between train and val.
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save_file
@@ -81,6 +83,7 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
     writers = {"train": ShardWriter(tmp / "train", shard_tokens), "val": ShardWriter(tmp / "val", shard_tokens)}
     stats = {"train": [0, 0], "val": [0, 0]}
     in_vocab_hits = masked = 0
+    index_rows = []
     for key, store, i, part, sid in tqdm(samples, desc="pack", unit="sample", disable=not progress):
         ids, aux, final = store.read(i)  # digest-verified
         tok_ids, mask = masks[part][sid]
@@ -90,6 +93,7 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
             top = (from_bits(final) @ head.T).argmax(-1)
         in_vocab = t2d_t[top].numpy().astype(np.uint8)
         split = "val" if is_val(key, val_fraction) else "train"
+        index_rows.append({"key": key, "part": part, "id": sid, "split": split, "digest": store.index[i]["digest"]})
         writers[split].add(aux=aux, final=final, input_ids=ids, loss_mask=mask, in_vocab=in_vocab)
         stats[split][0] += 1
         stats[split][1] += len(ids)
@@ -103,6 +107,7 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
                 "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores}, "shards": shards,
                 "val_fraction": val_fraction}
     write_json(tmp / "manifest.json", manifest)
+    pq.write_table(pa.Table.from_pylist(index_rows), tmp / "index.parquet")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

@@ -24,23 +24,22 @@ class TargetRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], cache: DynamicCache, start: int):
-        """Run `ids` at positions start.. with the cache; (greedy next ids, aux [n, 3, H])."""
+    def forward(self, ids: list[int], cache: DynamicCache, start: int, taps: bool = True):
+        """Run `ids` at positions start.. with the cache; (greedy next ids, aux [n, 3, H] or None)."""
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, cache=cache, position_ids=pos, use_cache=True,
-                         output_hidden_states=True)
-        aux = torch.stack([out.hidden_states[j][0] for j in self.taps], 1)
+        out = self.model(input_ids=x, cache=cache, position_ids=pos, use_cache=True, output_hidden_states=taps)
+        aux = torch.stack([out.hidden_states[j][0] for j in self.taps], 1) if taps else None
         return out.logits[0].argmax(-1).tolist(), aux
 
 
 def greedy_decode(runner: TargetRunner, prompt: list[int], max_new: int, eos: set) -> Decoded:
     t0 = time.perf_counter()
     cache = DynamicCache()
-    nxt, _ = runner.forward(prompt, cache, 0)
+    nxt, _ = runner.forward(prompt, cache, 0, taps=False)
     out, n = [nxt[-1]], len(prompt)
     while len(out) < max_new and out[-1] not in eos:
-        nxt, _ = runner.forward([out[-1]], cache, n)
+        nxt, _ = runner.forward([out[-1]], cache, n, taps=False)
         n += 1
         out.append(nxt[-1])
     return Decoded(out, time.perf_counter() - t0, target_forwards=len(out))

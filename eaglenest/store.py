@@ -3,11 +3,17 @@
     aux        [n_pieces*S, n_aux, H] uint16 (bfloat16 bits), chunks (C, n_aux, H), shards (S, n_aux, H)
     final      [n_pieces*S, H]        uint16 (bfloat16 bits)
     input_ids  [n_pieces*S]           int32
-    index.parquet  id, key, start, length, digest, piece   (written last: its presence commits the store)
+    index.parquet  id, key, start, length, digest, piece
+    checksums.json xxh3-128 of every metadata file (zarr.json x4, index.parquet); written last:
+                   its presence commits the store
 
 A piece is one zarr shard of S token rows holding whole samples, zero-padded at its end, so every
-writer owns whole shards. Digest = xxh3-128 over the sample's ids, aux and final bytes.
+writer owns whole shards. Digest = xxh3-128 over the sample's ids, aux and final bytes. Every inner
+chunk carries a crc32c (and zarr checksums each shard index), so a flipped byte anywhere in a
+shard, padding included, fails the read of the sample it sits in; metadata is covered by
+checksums.json, checked on every open.
 """
+import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,15 +22,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
-from zarr.codecs import ZstdCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from .atomic import write_json
 from .errors import EaglenestError
 from .hashing import content_digest
+from .versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
 INDEX = "index.parquet"
+CHECKSUMS = "checksums.json"
+METADATA = ("zarr.json", "aux/zarr.json", "final/zarr.json", "input_ids/zarr.json", INDEX)
 INDEX_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.string()), ("start", pa.int64()),
                           ("length", pa.int32()), ("digest", pa.string()), ("piece", pa.int32())])
 TAP_SEMANTICS = ("tap j = HF outputs.hidden_states[j] = residual stream entering decoder layer j "
@@ -54,7 +63,8 @@ class Layout:
 
 
 def _compressors(layout: Layout):
-    return [ZstdCodec(level=layout.level)] if layout.codec == "zstd" else None
+    crc = Crc32cCodec()
+    return [ZstdCodec(level=layout.level), crc] if layout.codec == "zstd" else [crc]
 
 
 def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
@@ -81,13 +91,34 @@ def write_index(path: Path, rows: list[dict]) -> None:
     tmp.replace(Path(path) / INDEX)
 
 
+def write_checksums(path: Path) -> None:
+    """Commit a finished store: digests of its metadata files, written last and durably."""
+    write_json(Path(path) / CHECKSUMS, {f: content_digest((Path(path) / f).read_bytes()) for f in METADATA},
+               durable=True)
+
+
+def check_checksums(path: Path) -> None:
+    path = Path(path)
+    if not (path / CHECKSUMS).is_file():
+        raise EaglenestError(f"{path}: no {CHECKSUMS}; the store was never committed (half-written?)")
+    try:
+        expected = json.loads((path / CHECKSUMS).read_text())
+    except ValueError as e:
+        raise EaglenestError(f"{path}/{CHECKSUMS}: corrupt ({e})") from None
+    for f in METADATA:
+        if not (path / f).is_file() or content_digest((path / f).read_bytes()) != expected.get(f):
+            raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
+
+
 class HiddenStore:
     """Read side. Every sample read is checked against its digest; corruption names part and sample."""
 
-    def __init__(self, path: Path, require_index: bool = True):
+    def __init__(self, path: Path, check_metadata: bool = True):
         self.path = Path(path)
         if not (self.path / "zarr.json").is_file():
             raise EaglenestError(f"{self.path}: not a hidden-state store (no zarr.json)")
+        if check_metadata:
+            check_checksums(self.path)
         self.group = zarr.open_group(str(self.path), mode="r")
         self.attrs = dict(self.group.attrs)
         if self.attrs.get("schema_version") != SCHEMA_VERSION:
@@ -112,7 +143,7 @@ class HiddenStore:
         sl = slice(r["start"], r["start"] + r["length"])
         try:
             ids, aux, final = self.input_ids[sl], self.aux[sl], self.final[sl]
-        except Exception as e:  # codec or shard-index checksum failure
+        except Exception as e:  # crc32c, codec or shard-index checksum failure
             raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
                                  f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
         if verify and sample_digest(ids, aux, final) != r["digest"]:

@@ -142,3 +142,57 @@ def train_params(**over) -> dict:
          "device": "cpu"}
     t.update(over)
     return t
+
+
+# --- real DVC pipelines in fresh clones ---------------------------------------------------------
+
+def sh(cmd, cwd, check=True, timeout=900, env_extra=None):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
+           **(env_extra or {})}
+    p = subprocess.run(cmd, cwd=cwd, env=env, shell=True, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4) -> dict:
+    import yaml
+    p = yaml.safe_load((REPO / "params.yaml").read_text())
+    p["data"] = {"parts": list(parts),
+                 "sharegpt": {name: {"start": i * per_part, "count": per_part} for i, name in enumerate(parts)}}
+    p["tokenize"]["max_seq_len"] = 192
+    p["store"].update(chunk_mb=0.1, shard_mb=1)
+    p["validate"]["samples"] = 2
+    p["pack"].update(draft_vocab_size=1024, val_fraction=0.25)
+    p["train"].update(epochs=1, batch_tokens=512, micro_batches=1, ttt_steps=2)
+    p["evaluate"].update(questions=2, max_new_tokens=6, k=2)
+    return p
+
+
+def write_params(repo: Path, params: dict) -> None:
+    import yaml
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def make_clone(root: Path, params: dict) -> Path:
+    """A fresh repository holding the committed files of this one, with the given params."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        src = REPO / f
+        if src.is_file() and not f.startswith(("data/", "metrics/", "bench/")) and f != "dvc.lock":
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / f)
+    write_params(root, params)
+    sh("git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm init", root)
+    return root
+
+
+def commit(repo: Path, msg: str) -> None:
+    sh(f"git add -A && git -c user.email=t@t -c user.name=t commit -qm '{msg}'", repo)
+
+
+def ran(stdout: str) -> set[str]:
+    """Stages DVC ran, from its own output."""
+    import re
+    return set(re.findall(r"Running stage '([^']+)'", stdout))

@@ -1,60 +1,20 @@
-"""The real DVC pipeline, end to end up to `extract`, on the real SmolLM2 target with a tiny
+"""The real DVC pipeline end to end (target -> evaluate) on the real SmolLM2 target with a tiny
 params profile, in a fresh clone of this repository."""
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from eaglenest.store import HiddenStore, verify_store
 
-from .conftest import REPO
+from .conftest import make_clone, sh, tiny_params
 
 pytestmark = pytest.mark.slow
 
 
-def sh(cmd, cwd, check=True, timeout=900):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, cwd=cwd, env=env, shell=True, capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
-
-
-def tiny_params() -> dict:
-    p = yaml.safe_load((REPO / "params.yaml").read_text())
-    p["data"] = {"parts": ["tiny-a", "tiny-b"],
-                 "sharegpt": {"tiny-a": {"start": 0, "count": 4}, "tiny-b": {"start": 4, "count": 4}}}
-    p["tokenize"]["max_seq_len"] = 192
-    p["store"].update(chunk_mb=0.1, shard_mb=1)
-    p["validate"]["samples"] = 2
-    p["pack"].update(draft_vocab_size=1024, val_fraction=0.25)
-    p["train"].update(epochs=1, batch_tokens=512, micro_batches=1, ttt_steps=2)
-    p["evaluate"].update(questions=2, max_new_tokens=6, k=2)
-    return p
-
-
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory, smollm2):
-    """A fresh clone of the working tree; the builtin target's conversion is seeded into its DVC
-    run-cache-free workspace by running the real `target` stage once."""
-    root = tmp_path_factory.mktemp("clone") / "repo"
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    for f in filter(None, files):
-        src = REPO / f
-        if src.is_file() and not f.startswith(("data/", "metrics/")) and f != "dvc.lock":
-            (root / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, root / f)
-    for f in ("data/.gitignore",):
-        (root / f).parent.mkdir(parents=True, exist_ok=True)
-    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
-    sh("git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm init", root)
-    return root
+    return make_clone(tmp_path_factory.mktemp("clone") / "repo", tiny_params())
 
 
 def test_repro_to_validated_stores_then_noop(clone):

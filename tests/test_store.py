@@ -65,18 +65,27 @@ def test_flipped_byte_is_named_by_verify_and_reader(tiny_target, tmp_path):
     out, seqs, _, _ = extract_tiny(tiny_target, tmp_path, codec="none")
     store = HiddenStore(out)
     H, C = store.attrs["hidden_size"], store.attrs["layout"]["chunk_tokens"]
-    # uncompressed: shard 0 of `final` is its chunks back to back, rows in order, then the index
-    vi = 0
-    victim = store.index[vi]
+    # uncompressed: shard 0 of `final` is its chunks (rows + a 4-byte crc32c each), then the index
+    victim = store.index[0]
     row = victim["start"] + victim["length"] // 2
-    assert victim["piece"] == 0
-    flip_byte(out / "final" / "c" / "0" / "0", row * H * 2 + 7)
+    flip_byte(out / "final" / "c" / "0" / "0", (row // C) * (C * H * 2 + 4) + (row % C) * H * 2 + 7)
     bad = verify_store(out, progress=False)
-    assert len(bad) == 1 and f"sample '{victim['id']}'" in bad[0] and "digest mismatch" in bad[0]
+    chunk = range((row // C) * C, (row // C + 1) * C)
+    named = [r for r in store.index if any(f"sample '{r['id']}'" in b for b in bad)]
+    assert victim in named and len(named) == len(bad)
+    assert all(set(range(r["start"], r["start"] + r["length"])) & set(chunk) for r in named)
     with pytest.raises(EaglenestError, match=f"store p .*sample '{victim['id']}'"):
-        HiddenStore(out).read(vi)
+        HiddenStore(out).read(0)
     p = run_py(["-m", "eaglenest.cli", "verify", "-q", str(out)], cwd=tmp_path, check=False)
     assert p.returncode == 1 and victim["id"] in p.stdout
+
+
+def test_digest_mismatch_is_named(tiny_target, tmp_path):
+    out, *_ = extract_tiny(tiny_target, tmp_path)
+    store = HiddenStore(out)
+    store.index[2] = {**store.index[2], "digest": "0" * 32}  # bytes that decode fine but are not the sample's
+    with pytest.raises(EaglenestError, match=r"sample 's2' \(index 2\) digest mismatch"):
+        store.read(2)
 
 
 def test_flipped_byte_in_compressed_shard_or_shard_index(tiny_target, tmp_path):
@@ -95,10 +104,19 @@ def test_flipped_byte_in_compressed_shard_or_shard_index(tiny_target, tmp_path):
 
 def test_uncommitted_store_is_never_read_as_valid(tiny_target, tmp_path):
     out, *_ = extract_tiny(tiny_target, tmp_path)
-    (out / "index.parquet").unlink()
+    (out / "checksums.json").unlink()
     with pytest.raises(EaglenestError, match="never committed"):
         HiddenStore(out)
     assert verify_store(out, progress=False)
+
+
+@pytest.mark.parametrize("name", ["zarr.json", "aux/zarr.json", "index.parquet", "checksums.json"])
+def test_flipped_byte_in_metadata_is_detected(tiny_target, tmp_path, name):
+    out, *_ = extract_tiny(tiny_target, tmp_path)
+    f = out / name
+    flip_byte(f, f.stat().st_size // 2)
+    bad = verify_store(out, progress=False)
+    assert len(bad) == 1 and str(out) in bad[0]
 
 
 def test_verify_cli_ok_exit_zero(tiny_target, tmp_path):

@@ -1,6 +1,6 @@
 """Extraction backends. Interface: `describe() -> {backend, version, capture_version}` and
 `extract(list of int32 id arrays) -> list of (aux [n, 3, H], final [n, H])` bf16 CPU tensors."""
-from .capture_version import CAPTURE_VERSIONS  # noqa: F401
+from ..versions import CAPTURE_VERSIONS  # noqa: F401
 
 
 def make_backend(name: str, **kwargs):

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..target import Target, load_model
-from .capture_version import CAPTURE_VERSIONS
+from ..versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,66 @@
+"""Share extracted states through real DVC remotes on 127.0.0.1: push from clone A (with the
+run-cache), pull into a fresh clone B, byte-identical stores, and no extraction in B."""
+import hashlib
+import shutil
+
+import pytest
+
+from .conftest import commit, make_clone, ran, sh, tiny_params
+from .servers import S3Server, SSHServer, sshd_binary
+
+pytestmark = pytest.mark.slow
+
+
+def tree_digest(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory, smollm2):
+    repo = make_clone(tmp_path_factory.mktemp("remote") / "a", tiny_params(("r-a", "r-b"), per_part=3))
+    sh("dvc repro pack", repo)
+    commit(repo, "extracted")
+    return repo
+
+
+@pytest.fixture(params=["ssh", "s3"])
+def remote(request, tmp_path):
+    if request.param == "ssh":
+        if not sshd_binary():
+            pytest.skip("openssh-server is not installed (make test installs it)")
+        server = SSHServer(tmp_path)
+        (tmp_path / "store").mkdir()
+        add = [f"dvc remote add -d shared {server.url(tmp_path / 'store')}"]
+        local = [f"dvc remote modify --local shared keyfile {server.key}"]
+        env = {}
+    else:
+        server = S3Server(tmp_path)
+        add = [f"dvc remote add -d shared s3://{server.bucket}/cache",
+               f"dvc remote modify shared endpointurl {server.endpoint}"]
+        local, env = [], S3Server.env
+    yield add, local, env
+    server.stop()
+
+
+def test_push_then_pull_into_fresh_clone_runs_no_extraction(produced, remote, tmp_path):
+    add, local, env = remote
+    a = tmp_path / "a"
+    shutil.copytree(produced, a, symlinks=True)
+    for c in add + local:
+        sh(c, a)
+    commit(a, "remote")  # .dvc/config is shared; secrets (keyfile) stay in config.local
+    assert "keyfile" not in (a / ".dvc/config").read_text()
+    sh("dvc push --run-cache", a, env_extra=env)
+
+    b = tmp_path / "b"
+    sh(f"git clone -q {a} {b}", tmp_path)
+    for c in local:
+        sh(c, b)
+    assert not (b / "data/hidden/r-a").exists()
+    sh("dvc pull", b, env_extra=env)
+    for part in ("r-a", "r-b"):
+        assert tree_digest(b / "data/hidden" / part) == tree_digest(a / "data/hidden" / part)
+    assert "up to date" in sh("dvc status pack", b).stdout
+    out = sh("dvc repro pack", b, env_extra=env).stdout
+    assert not {s for s in ran(out) if s.startswith(("extract", "tokenize", "target"))}, out
