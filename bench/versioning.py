@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.conftest import commit, make_clone, ran, sh, tiny_params, write_params
 from tests.servers import SSHServer
 
-OUT = Path("bench/out/versioning")
+OUT = Path("bench/out/versioning").resolve()
 
 
 def timed(cmd, cwd, **kw):

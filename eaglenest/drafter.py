@@ -171,7 +171,7 @@ class Eagle3Drafter(nn.Module):
 
     def set_vocab(self, selected: torch.Tensor) -> None:
         """selected: sorted target ids of the draft vocabulary."""
-        self.d2t.copy_(selected - torch.arange(len(selected)))
+        self.d2t.copy_(selected - torch.arange(len(selected), device=selected.device))
         self.t2d.zero_()
         self.t2d[selected] = True
 

@@ -55,7 +55,8 @@ def open_parts(parts: list[str], hidden_dir: Path, tokenized_dir: Path):
 
 
 def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path, lm_head: torch.Tensor,
-         draft_vocab_size: int, val_fraction: float, shard_mb: float = 256, progress: bool = True) -> dict:
+         draft_vocab_size: int, val_fraction: float, shard_mb: float = 256, progress: bool = True,
+         device: str = "cpu") -> dict:
     stores, masks = open_parts(parts, hidden_dir, tokenized_dir)
     samples = []  # (key, store, index, part, id)
     counts = np.zeros(lm_head.shape[0], dtype=np.int64)
@@ -79,7 +80,7 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
 
     A, H = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"]
     shard_tokens = max(1, int(shard_mb * 2**20 / ((A + 1) * H * 2)))
-    head = lm_head.to(torch.bfloat16)
+    head = lm_head.to(device=device, dtype=torch.bfloat16)
     writers = {"train": ShardWriter(tmp / "train", shard_tokens), "val": ShardWriter(tmp / "val", shard_tokens)}
     stats = {"train": [0, 0], "val": [0, 0]}
     in_vocab_hits = masked = 0
@@ -90,7 +91,7 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
         if not np.array_equal(ids, tok_ids):
             raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
         with torch.inference_mode():
-            top = (from_bits(final) @ head.T).argmax(-1)
+            top = (from_bits(final).to(device) @ head.T).argmax(-1).cpu()
         in_vocab = t2d_t[top].numpy().astype(np.uint8)
         split = "val" if is_val(key, val_fraction) else "train"
         index_rows.append({"key": key, "part": part, "id": sid, "split": split, "digest": store.index[i]["digest"]})
