@@ -6,6 +6,7 @@ writes every file to a temp name and renames it — then fsynced, then its manif
 (temp + fsync + rename). A manifest commits a piece; a restart keeps committed pieces and
 extracts only the rest. After the validation gate passes, the index is written and the store
 is renamed into the output in one step; a failed gate commits nothing."""
+import json
 import logging
 import queue
 import shutil
@@ -53,7 +54,6 @@ class WorkDir:
         self.manifests = self.path / "pieces"
 
     def committed(self) -> dict[int, dict]:
-        import json
         out = {}
         if self.manifests.is_dir():
             for p in self.manifests.glob("*.json"):

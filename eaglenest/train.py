@@ -4,6 +4,7 @@ grad clip, bf16 autocast, exact resume, DDP under torchrun (gloo on CPU, NCCL on
 A global step consumes `micro_batches` micro-batches; rank r of W takes every W-th of them, so
 any world size sees the same global batch and — with losses normalised by the global masked-token
 count — the same gradient."""
+import contextlib
 import json
 import logging
 import math
@@ -157,7 +158,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         for j, mb in enumerate(mine):
             sync = j == len(mine) - 1
-            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else _null()
+            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
             with ctx:
                 with self.autocast:
                     loss, st = ttt_loss(self.ddp, self._to_dev(collate(self.train_split, mb)), self.embed,
@@ -223,14 +224,6 @@ class Trainer:
         elapsed = time.time() - t0
         return {"epochs": self.state["epochs"], "history": self.state["history"],
                 "tokens_per_s": round(tokens / elapsed, 1) if tokens else None, "world_size": self.world}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def summarize(stats: torch.Tensor) -> dict:
