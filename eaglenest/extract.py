@@ -73,7 +73,7 @@ def _shard_files(store: Path, piece: int) -> list[Path]:
 
 
 class PieceWriter:
-    """Background writer: compression, hashing-free I/O and fsync overlap the next piece's compute."""
+    """Background writer: zarr encoding, file writes and fsync overlap the next piece's compute."""
 
     def __init__(self, group: zarr.Group, work: WorkDir, layout: Layout):
         self.group, self.work, self.S = group, work, layout.shard_tokens
@@ -147,7 +147,8 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     if max(lengths) > max_seq_len:
         raise EaglenestError(f"{tokenized}: a sample has {max(lengths)} tokens > max_seq_len {max_seq_len}")
     layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_seq_len, **layout_cfg)
-    info = extractor_info(backend.describe(), taps, dtype, revision)
+    described = backend.describe()
+    info = extractor_info(described, taps, dtype, revision)
     efp = extractor_fingerprint(info)
     input_sha = sha256_file(tokenized)
     work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)))
@@ -157,7 +158,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
              "extractor": info, "extractor_fingerprint": efp, "taps": taps, "tap_semantics": TAP_SEMANTICS,
              "dtype": "bfloat16", "storage": "uint16 bit patterns of bfloat16 (view as bfloat16)",
              "hidden_size": target.hidden_size, "max_seq_len": max_seq_len, "layout": asdict(layout),
-             "input_sha256": input_sha, "work_key": work_key, "device": backend.describe().get("device")}
+             "input_sha256": input_sha, "work_key": work_key, "device": described.get("device")}
     group = _open_work_store(work, layout, len(pieces), attrs)
     done = work.committed()
     pending = [p for p in pieces if p.index not in done]
@@ -183,7 +184,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     write_index(work.store, rows)
     store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
-    gate_metrics, passed = _gate(store, target, taps, validate_cfg, backend)
+    gate_metrics, passed = _gate(store, target, taps, validate_cfg, described.get("device", "cpu"))
     stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
     raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2
     metrics = {
@@ -234,10 +235,9 @@ def _compute_piece(piece: Piece, seqs, lengths, names, keys, backend, layout: La
     return piece.index, ids, aux, final, rows
 
 
-def _gate(store: HiddenStore, target: Target, taps, cfg: dict, backend) -> tuple[dict, bool]:
+def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> tuple[dict, bool]:
     cfg = dict(cfg or {})
     n, seed = int(cfg.pop("samples", 8)), int(cfg.pop("seed", 0))
-    device = backend.describe().get("device", "cpu")
     chosen = sorted(np.random.default_rng(seed).choice(len(store), size=min(n, len(store)), replace=False).tolist())
 
     def read(i):
