@@ -8,7 +8,10 @@ SHELL   := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PIPQ    := 2>&1 | { grep -v "is ignored: it is neither" || true; }
 
-.PHONY: setup repro test bench clean-venv sshd
+SGVENV  := .venv-sglang
+SGSTAMP := $(SGVENV)/.installed
+
+.PHONY: setup repro test bench clean-venv sshd sglang-env
 
 setup: $(STAMP)
 
@@ -21,6 +24,18 @@ $(STAMP): requirements.txt requirements-data.txt pyproject.toml
 	$(BIN)/python -c "import torch, transformers, zarr, dvc, eaglenest" 
 	touch $(STAMP)
 
+# The SGLang server's own environment (it pins its own torch/transformers): a full lock, --no-deps,
+# plus this repo (--no-deps) so SGLang finds the capture plugin's entry point.
+sglang-env: $(SGSTAMP)
+
+$(SGSTAMP): requirements-sglang.txt pyproject.toml
+	test -x $(SGVENV)/bin/python || $(PY) -m venv $(SGVENV)
+	$(SGVENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-sglang.txt $(PIPQ)
+	$(SGVENV)/bin/pip install -q --disable-pip-version-check --no-deps -e . $(PIPQ)
+	$(SGVENV)/bin/python -c "import sglang, sglang_patch.plugin; from importlib.metadata import entry_points as e; \
+	  assert any(p.name == 'eaglenest_capture' for p in e(group='sglang.srt.plugins'))"
+	touch $(SGSTAMP)
+
 repro: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
@@ -30,11 +45,11 @@ sshd:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; } || \
 	  echo "openssh-server could not be installed: the SSH remote tests will be skipped"
 
-test: setup sshd
+test: setup sglang-env sshd
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -x -q $(PYTEST_ARGS)
 
 bench: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m bench.extract_cpu
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGVENV)

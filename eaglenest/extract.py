@@ -21,6 +21,7 @@ import zarr
 from tqdm import tqdm
 
 from .atomic import fsync_path, write_json
+from .backends import SampleFailed
 from .bf16 import from_bits, to_bits
 from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
@@ -219,7 +220,11 @@ def _compute_piece(piece: Piece, seqs, lengths, names, keys, backend, layout: La
     final = np.zeros((S, H), dtype=np.uint16)
     start = dict(zip(piece.samples, piece.offsets))
     for batch in length_batches(piece.samples, lengths, batch_tokens):
-        outs = backend.extract([seqs[i] for i in batch])
+        try:
+            outs = backend.extract([seqs[i] for i in batch])
+        except SampleFailed as e:
+            raise EaglenestError(f"sample {names[batch[e.position]]!r} (part piece {piece.index}): {e.reason}. "
+                                 f"Committed pieces are kept; rerun to resume.") from None
         for i, (a, f) in zip(batch, outs):
             n, o = lengths[i], start[i]
             if a.shape != (n, A, H) or f.shape != (n, H):

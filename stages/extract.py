@@ -1,7 +1,8 @@
 """Stage `extract@<part>`: hidden states of a tokenized part into a validated Zarr store.
 
     python -m stages.extract <part>
-    params: extract.* (backend, taps, dtype, device, batch_tokens, revision, work_dir),
+    params: extract.* (backend, taps, dtype, device, batch_tokens, revision, work_dir; extract.sglang.* for
+            the sglang backend: server_url or launch-and-stop, concurrency, retries, capture_dir),
             store.* (codec, level, chunk_mb, shard_mb), validate.* (gate), tokenize.max_seq_len
 A crash leaves finished pieces in extract.work_dir; rerunning resumes. A failed validation gate
 writes metrics/extract/<part>.json and exits non-zero without touching data/hidden/<part>.
@@ -30,8 +31,9 @@ def main(argv=None) -> None:
     target = load_target(Path("data/target"))
     check_fingerprint(target)
     taps = resolve_taps(ex.get("taps", "auto"), target.num_layers)
-    backend = make_backend(ex.get("backend", "hf"), target=target, taps=taps, dtype=ex.get("dtype", "bfloat16"),
-                           device=ex.get("device", "auto"))
+    name = ex.get("backend", "hf")
+    backend = make_backend(name, target=target, taps=taps, dtype=ex.get("dtype", "bfloat16"),
+                           device=ex.get("device", "auto"), **(ex.get(name) or {}))
     metrics_path = Path(f"metrics/extract/{args.part}.json")
     try:
         metrics = extract_part(
@@ -44,6 +46,8 @@ def main(argv=None) -> None:
     except GateFailed as e:
         write_json(metrics_path, e.metrics)
         raise
+    finally:
+        backend.close()  # stops a server the sglang backend launched
     write_json(metrics_path, metrics)
 
 

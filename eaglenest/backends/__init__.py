@@ -1,11 +1,23 @@
-"""Extraction backends. Interface: `describe() -> {backend, version, capture_version}` and
-`extract(list of int32 id arrays) -> list of (aux [n, 3, H], final [n, H])` bf16 CPU tensors."""
+"""Extraction backends. Interface: `describe() -> {backend, version, capture_version, device}`,
+`extract(list of int32 id arrays) -> list of (aux [n, 3, H], final [n, H])` bf16 CPU tensors, and
+`close()`. A sample that fails for good raises `SampleFailed(position_in_batch, reason)`."""
+from ..errors import EaglenestError
 from ..versions import CAPTURE_VERSIONS  # noqa: F401
 
 
+class SampleFailed(EaglenestError):
+    """Sample `position` of the batch failed every attempt; the caller names it."""
+
+    def __init__(self, position: int, reason: str):
+        self.position, self.reason = position, reason
+        super().__init__(reason)
+
+
 def make_backend(name: str, **kwargs):
-    from ..errors import EaglenestError
     if name == "hf":
         from .hf import HFBackend
         return HFBackend(**kwargs)
-    raise EaglenestError(f"extract.backend {name!r} is not supported (supported: hf)")
+    if name == "sglang":
+        from .sglang_client import SGLangBackend
+        return SGLangBackend(**kwargs)
+    raise EaglenestError(f"extract.backend {name!r} is not supported (supported: hf, sglang)")

@@ -36,6 +36,9 @@ class HFBackend:
         return {"backend": "hf", "version": f"transformers-{transformers.__version__}",
                 "capture_version": CAPTURE_VERSIONS["hf"], "device": self.device}
 
+    def close(self) -> None:
+        self.decoder = None
+
     @torch.inference_mode()
     def extract(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.decoder is None:

@@ -1,0 +1,219 @@
+"""The sglang backend against a real SGLang server (CPU, SmolLM2) started through sglang_patch.
+
+The server environment is `.venv-sglang` (`make sglang-env`, which `make test` runs first)."""
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eaglenest.backends import SampleFailed
+from eaglenest.backends.hf import HFBackend
+from eaglenest.backends.sglang_client import SGLangBackend
+from eaglenest.backends.sglang_server import LaunchedServer
+from eaglenest.bf16 import from_bits
+from eaglenest.extract import extract_part
+from eaglenest.extractor import resolve_taps
+from eaglenest.store import HiddenStore
+from sglang_patch import launch
+from sglang_patch.protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS
+
+from .conftest import REPO, make_clone, random_samples, sh, tiny_params, write_tokenized
+
+pytestmark = pytest.mark.slow
+SGPY = REPO / ".venv-sglang" / "bin" / "python"
+GATE = {"min_cosine_mean": 0.995, "min_cosine_token": 0.98, "max_rel_err_mean": 0.06, "max_rel_err_token": 0.2}
+
+
+def start(smollm2, tmp: Path, extra=(), raw=False) -> LaunchedServer:
+    """A real server on SmolLM2 (bf16, CPU). raw=True bypasses the launcher (plain sglang.launch_server
+    with the capture plugin switched on by its environment), so its flags are not enforced."""
+    cap = tmp / "capture"
+    cap.mkdir(mode=0o700)
+    taps = resolve_taps("auto", smollm2.num_layers)
+    srv = LaunchedServer(SGPY, smollm2.model_dir, dtype="bfloat16", taps=taps, capture_dir=cap, device="cpu",
+                         extra_args=["--max-total-tokens", "16384", *extra], log_path=tmp / "server.log",
+                         startup_timeout=300)
+    if raw:
+        srv.cmd = [str(SGPY), "-m", "sglang.launch_server", "--model-path", str(smollm2.model_dir), "--dtype",
+                   "bfloat16", "--port", str(srv.port), "--host", "127.0.0.1", "--device", "cpu",
+                   "--skip-tokenizer-init", "--disable-cuda-graph",
+                   *[f"{f}" if v is None else f"{f}={v}" for f, v in launch.CPU_DEFAULTS], *extra]
+        srv.env.update({ENV_DIR: str(cap), ENV_TAPS: ",".join(map(str, taps)), ENV_RID_PREFIX: DEFAULT_RID_PREFIX,
+                        "SGLANG_USE_CPU_ENGINE": "1",
+                        "PYTHONPATH": os.pathsep.join(str(launch.STANDINS / s) for s in ("sgl_kernel_cpu", "no_torchvision"))})
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    srv = start(smollm2, tmp_path_factory.mktemp("sglang"))
+    yield srv
+    srv.stop()
+
+
+def client(smollm2, srv, **kw) -> SGLangBackend:
+    taps = resolve_taps("auto", smollm2.num_layers)
+    return SGLangBackend(smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url,
+                         capture_dir=str(srv.cmd[srv.cmd.index("--capture-dir") + 1]) if "--capture-dir" in srv.cmd
+                         else None, **kw)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+# --- the launcher ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [["--chunked-prefill-size", "512"], ["--chunked-prefill-size=64"],
+                                   ["--radix-cache-backend", "lru"], ["--enable-hierarchical-cache"],
+                                   ["--pp-size", "2"], ["--enable-mixed-chunk"],
+                                   ["--speculative-algorithm", "EAGLE3"]])
+def test_launcher_refuses_contradicting_flags(flags, tmp_path):
+    p = subprocess.run([str(SGPY), "-m", "sglang_patch.launch", "--model-path", str(tmp_path), *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "contradicts hidden-state capture" in p.stderr and flags[0].split("=")[0] in p.stderr
+
+
+def test_launcher_refuses_unsupported_sglang_version(tmp_path):
+    fake = tmp_path / "site"
+    (fake / "sglang-0.5.10.dist-info").mkdir(parents=True)
+    (fake / "sglang-0.5.10.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.10\n")
+    p = subprocess.run([sys.executable, "-m", "sglang_patch.launch", "--model-path", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": f"{fake}:{REPO}"})
+    assert p.returncode != 0 and "sglang 0.5.10 is outside the supported range" in p.stderr
+
+
+def test_launcher_command_line_in_server_env(tmp_path):
+    code = ("import json; from sglang_patch.launch import build; a, e, v = build(['--model-path', 'm', '--device', "
+            f"'cpu', '--capture-dir', '{tmp_path / 'cap'}']); print(json.dumps([a, e, v]))")
+    args, env, version = json.loads(subprocess.run([str(SGPY), "-c", code], capture_output=True, text=True,
+                                                   check=True, timeout=60).stdout)
+    for flag in ("--disable-radix-cache", "--disable-cuda-graph", "--skip-tokenizer-init"):
+        assert flag in args
+    assert args[args.index("--chunked-prefill-size") + 1] == "-1" and args[args.index("--pp-size") + 1] == "1"
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "sgl_kernel_cpu" in env["PYTHONPATH"]
+    assert stat.S_IMODE((tmp_path / "cap").stat().st_mode) == 0o700
+
+
+# --- a real server ---------------------------------------------------------------------------------
+
+def test_parity_with_hf_store_and_gate(server, smollm2, tmp_path):
+    seqs = random_samples(12, 20000, 8, 300, seed=3)
+    tok = write_tokenized(tmp_path / "tok.parquet", seqs)
+    taps = resolve_taps("auto", smollm2.num_layers)
+    stores = {}
+    for name, backend in (("sglang", client(smollm2, server)), ("hf", HFBackend(smollm2, taps, device="cpu"))):
+        m = extract_part(part="p", tokenized=tok, target=smollm2, backend=backend, taps=taps, dtype="bfloat16",
+                         revision=0, layout_cfg=dict(chunk_mb=0.05, shard_mb=1, codec="zstd", level=1),
+                         validate_cfg={"samples": 4, **GATE}, out_dir=tmp_path / name, work_root=tmp_path / "work",
+                         batch_tokens=1024, max_seq_len=512, progress=False)
+        backend.close()
+        assert m["committed"] and m["validation"]["passed"], m["validation"]
+        stores[name] = HiddenStore(tmp_path / name)
+    s, h = stores["sglang"], stores["hf"]
+    assert s.attrs["extractor"]["backend_version"].startswith("sglang-0.5.")
+    assert s.attrs["extractor_fingerprint"] != h.attrs["extractor_fingerprint"]
+    for i in range(len(seqs)):
+        ids_s, aux_s, fin_s = s.read(i)
+        ids_h, aux_h, fin_h = h.read(i)
+        assert np.array_equal(ids_s, ids_h) and np.array_equal(ids_s, seqs[i])
+        for x, y in ((from_bits(aux_s), from_bits(aux_h)), (from_bits(fin_s), from_bits(fin_h))):
+            c = cosine(x, y)
+            assert c.mean() > 0.999 and c.min() > 0.99, (i, c.mean().item(), c.min().item())
+
+
+def test_32_concurrent_requests_each_match_their_own(server, smollm2):
+    seqs = random_samples(32, 20000, 4, 400, seed=5)
+    assert len({len(s) for s in seqs}) > 20
+    got = client(smollm2, server, concurrency=32).extract(seqs)
+    hf = HFBackend(smollm2, resolve_taps("auto", smollm2.num_layers), device="cpu")
+    for i, (seq, (aux, final)) in enumerate(zip(seqs, got)):
+        ref_aux, ref_final = hf.extract([seq])[0]
+        assert aux.shape == ref_aux.shape
+        assert cosine(aux, ref_aux).mean() > 0.999 and cosine(final, ref_final).mean() > 0.999, i
+
+
+def test_capture_files_private_and_removed(server, smollm2):
+    cap = Path(server.cmd[server.cmd.index("--capture-dir") + 1])
+    body = {"input_ids": list(range(10, 40)), "rid": f"{DEFAULT_RID_PREFIX}perm",
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    req = urllib.request.Request(f"{server.url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    meta = json.loads(urllib.request.urlopen(req, timeout=120).read())["meta_info"]
+    path = Path(meta["hs_capture"][0]["path"])
+    assert path.parent == cap and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(cap.stat().st_mode) == 0o700
+    path.unlink()
+    # the server's own warm-up and requests without the client prefix are not captured
+    body["rid"] = "someone-else"
+    meta = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"{server.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}),
+        timeout=120).read())["meta_info"]
+    assert not meta.get("hs_capture") or meta["hs_capture"] == [None]
+    client(smollm2, server).extract(random_samples(6, 20000, 5, 60, seed=8))
+    assert list(cap.iterdir()) == []  # every capture deleted once stored, no temp file left
+
+
+def test_forced_past_launcher_every_affected_sample_is_caught(smollm2, tmp_path):
+    srv = start(smollm2, tmp_path, extra=["--chunked-prefill-size", "64"], raw=True)  # radix cache on too
+    try:
+        sg = client(smollm2, srv, retries=0)
+        longs = random_samples(4, 20000, 100, 300, seed=9)
+        for seq in longs:  # chunked: fewer positions captured while cached_tokens == 0
+            with pytest.raises(SampleFailed, match="captured .* positions"):
+                sg.extract([seq])
+        shorts = random_samples(4, 20000, 10, 50, seed=10)
+        for seq in shorts:
+            sg.extract([seq])  # the first time nothing is cached: a complete capture
+            with pytest.raises(SampleFailed, match="cached_tokens="):
+                sg.extract([seq])  # the repeat hits the radix cache
+        assert list((tmp_path / "capture").iterdir()) == []  # rejected captures are deleted too
+    finally:
+        srv.stop()
+
+
+def test_server_killed_mid_extraction_then_dvc_repro_resumes(tmp_path):
+    params = tiny_params(parts=("tiny-a",), per_part=24)
+    params["store"].update(chunk_mb=0.05, shard_mb=0.5)
+    params["extract"].update(backend="sglang", device="cpu")
+    params["extract"]["sglang"].update(python=str(SGPY), concurrency=1, retries=1)
+    repo = make_clone(tmp_path / "repo", params)
+    sh("dvc repro -q tokenize@tiny-a", repo)
+    proc = subprocess.Popen(f"{Path(sys.executable).parent}/dvc repro extract@tiny-a", cwd=repo, shell=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    work = repo / ".eaglenest" / "work"
+    t0 = time.time()
+    while not list(work.glob("*/pieces/*.json")):  # wait for the first committed piece
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() - t0 < 600
+        time.sleep(0.05)
+    pids = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True, text=True).stdout.split()
+    assert pids, "the stage's server process"
+    for pid in pids:
+        os.killpg(int(pid), signal.SIGKILL)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0
+    assert "SGLang server exited" in out and "log" in out, out[-3000:]
+    assert not (repo / "data/hidden/tiny-a").exists()
+    committed = len(list(work.glob("*/pieces/*.json")))
+    assert committed >= 1
+
+    sh("dvc repro extract@tiny-a", repo)
+    m = json.loads((repo / "metrics/extract/tiny-a.json").read_text())
+    assert m["committed"] and m["pieces_resumed"] >= 1 and m["pieces_resumed"] < m["pieces"]
+    assert HiddenStore(repo / "data/hidden/tiny-a").attrs["extractor"]["backend"] == "sglang"
+    assert not subprocess.run(["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True,
+                              text=True).stdout.strip(), "the stage stops the server it launched"
