@@ -33,12 +33,12 @@ SGPY = REPO / ".venv-sglang" / "bin" / "python"
 GATE = {"min_cosine_mean": 0.995, "min_cosine_token": 0.98, "max_rel_err_mean": 0.06, "max_rel_err_token": 0.2}
 
 
-def start(smollm2, tmp: Path, extra=(), raw=False) -> LaunchedServer:
+def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
     """A real server on SmolLM2 (bf16, CPU). raw=True bypasses the launcher (plain sglang.launch_server
     with the capture plugin switched on by its environment), so its flags are not enforced."""
     cap = tmp / "capture"
     cap.mkdir(mode=0o700)
-    taps = resolve_taps("auto", smollm2.num_layers)
+    taps = taps or resolve_taps("auto", smollm2.num_layers)
     srv = LaunchedServer(SGPY, smollm2.model_dir, dtype="bfloat16", taps=taps, capture_dir=cap, device="cpu",
                          extra_args=["--max-total-tokens", "16384", *extra], log_path=tmp / "server.log",
                          startup_timeout=300)
@@ -61,8 +61,8 @@ def server(smollm2, tmp_path_factory):
     srv.stop()
 
 
-def client(smollm2, srv, **kw) -> SGLangBackend:
-    taps = resolve_taps("auto", smollm2.num_layers)
+def client(smollm2, srv, taps=None, **kw) -> SGLangBackend:
+    taps = taps or resolve_taps("auto", smollm2.num_layers)
     return SGLangBackend(smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url,
                          capture_dir=str(srv.cmd[srv.cmd.index("--capture-dir") + 1]) if "--capture-dir" in srv.cmd
                          else None, **kw)
@@ -70,6 +70,18 @@ def client(smollm2, srv, **kw) -> SGLangBackend:
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+# --- the capture code alone -----------------------------------------------------------------------
+
+def test_requests_in_batch_slices_rows_and_skips_foreign_rids():
+    from sglang_patch.capture import aux_rows, requests_in_batch
+    reqs = requests_in_batch(["warmup", "eaglenest-a", "eaglenest-b"], [3, 5, 2], [0, 0, 4], "eaglenest-")
+    assert [(r.index, r.rid, r.start, r.length, r.prefix_len) for r in reqs] == [
+        (1, "eaglenest-a", 3, 5, 0), (2, "eaglenest-b", 8, 2, 4)]
+    listed = [torch.randn(10, 4) for _ in range(3)]
+    assert torch.equal(aux_rows(listed, 4), torch.stack(listed, 1))
+    assert torch.equal(aux_rows(torch.cat(listed, -1), 4), torch.stack(listed, 1))  # packed [T, K*H]
 
 
 # --- the launcher ----------------------------------------------------------------------------------
@@ -164,6 +176,22 @@ def test_capture_files_private_and_removed(server, smollm2):
     assert not meta.get("hs_capture") or meta["hs_capture"] == [None]
     client(smollm2, server).extract(random_samples(6, 20000, 5, 60, seed=8))
     assert list(cap.iterdir()) == []  # every capture deleted once stored, no temp file left
+
+
+def test_custom_taps_follow_sglang_id_rule(smollm2, tmp_path):
+    """Our tap j (input of layer j) must reach SGLang as id j-1: checked against HF on the same taps."""
+    taps = [3, 10, 20]
+    srv = start(smollm2, tmp_path, taps=taps)
+    try:
+        seqs = random_samples(3, 20000, 20, 120, seed=4)
+        got = client(smollm2, srv, taps=taps).extract(seqs)
+        hf = HFBackend(smollm2, taps, device="cpu").extract(seqs)
+        for (a, f), (ra, rf) in zip(got, hf):
+            assert cosine(a, ra).mean() > 0.999 and cosine(f, rf).mean() > 0.999
+        with pytest.raises(SampleFailed, match="server captures taps"):
+            client(smollm2, srv, retries=0).extract(seqs[:1])  # default taps asked of a [3, 10, 20] server
+    finally:
+        srv.stop()
 
 
 def test_forced_past_launcher_every_affected_sample_is_caught(smollm2, tmp_path):
