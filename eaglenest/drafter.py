@@ -106,6 +106,7 @@ class StepCache:
 class Eagle3Attention(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
+        self.impl = "eager"  # or "flex": the fused TTT kernel for the all-cells training case
         self.nh, self.kvh, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(2 * c.hidden_size, self.nh * self.d, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, self.kvh * self.d, bias=False)
@@ -125,6 +126,10 @@ class Eagle3Attention(nn.Module):
         else:
             cache.diag_k.append(k)
             cache.diag_v.append(v)
+        if self.impl == "flex" and q_offset == 0 and Tq == cache.k0.shape[2]:
+            from .ttt_attention import ttt_attention
+            out = ttt_attention(q, [cache.k0, *cache.diag_k], [cache.v0, *cache.diag_v])
+            return self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.nh * self.d))
         k0, v0 = cache.k0.repeat_interleave(rep, 1), cache.v0.repeat_interleave(rep, 1)
         scale = self.d ** -0.5
         s0 = (q @ k0.transpose(-1, -2)) * scale                              # [B, nh, Tq, T0]
@@ -169,6 +174,12 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
+    def set_attention(self, impl: str) -> None:
+        """eager (any device, the reference) | flex (fused TTT attention; compiled on CUDA)."""
+        if impl not in ("eager", "flex"):
+            raise EaglenestError(f"drafter attention must be eager or flex, got {impl!r}")
+        self.midlayer.self_attn.impl = impl
+
     def set_vocab(self, selected: torch.Tensor) -> None:
         """selected: sorted target ids of the draft vocabulary."""
         self.d2t.copy_(selected - torch.arange(len(selected), device=selected.device))
@@ -184,15 +195,17 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, n_steps: int) -> list:
-        """Training-time test over every cell at once: logits [B, T, Vd] of steps 0..n_steps-1.
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, n_steps: int,
+                logits: bool = True) -> list:
+        """Training-time test over every cell at once: logits [B, T, Vd] of steps 0..n_steps-1 (or,
+        with logits=False, the normed hidden states the lm_head would read, for a fused loss).
         Cell t at step k reads token x_{t+1+k} (teacher forcing) at RoPE position t+k."""
         T = input_ids.shape[1]
         cache, x, out = StepCache(), self.project(aux), []
         pos = torch.arange(T, device=input_ids.device)
         for k in range(n_steps):
             x = self.step(x, embed(shift_left(input_ids, 1 + k)), pos + k, cache)
-            out.append(self.logits(x))
+            out.append(self.logits(x) if logits else self.norm(x))
         return out
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,19 @@ class TrainConfig:
     autocast: str = "auto"        # auto (bf16 where supported) | bf16 | none
     ckpt_every: int = 50          # optimizer steps between checkpoints
     device: str = "auto"
+    attention: str = "auto"       # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
+
+
+class FrozenEmbedding(torch.nn.Module):
+    """The target's embedding kept in its own dtype (bf16: half the memory of fp32), looked up
+    rows upcast to fp32: the same values an fp32 copy would give."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight).float()
 
 
 def simulated_acceptance(acc: list[float]) -> float:
@@ -94,7 +107,9 @@ class Trainer:
             if heads["final_norm"] is not None:
                 model.norm.weight.copy_(heads["final_norm"].float())
         self.model = model.to(self.device)
-        self.embed = torch.nn.Embedding.from_pretrained(heads["embed"].float(), freeze=True).to(self.device)
+        attention = cfg.attention if cfg.attention != "auto" else ("flex" if self.device.type == "cuda" else "eager")
+        self.model.set_attention(attention)
+        self.embed = FrozenEmbedding(heads["embed"]).to(self.device)
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model)
         self.K = cfg.ttt_steps

@@ -19,9 +19,9 @@ def pick_device(device: str) -> str:
 
 class HFBackend:
     def __init__(self, target: Target, taps: list[int], dtype: str = "bfloat16", device: str = "auto",
-                 attn: str = "sdpa"):
+                 attn: str = "sdpa", compile: bool = False):
         self.device = pick_device(device)
-        self.target, self.taps, self.dtype, self.attn = target, list(taps), dtype, attn
+        self.target, self.taps, self.dtype, self.attn, self.compile = target, list(taps), dtype, attn, compile
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
         self.pad_id = 0
 
@@ -29,6 +29,8 @@ class HFBackend:
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
+        if self.compile:  # fuses norms/activations; compiles once per new batch shape
+            self.decoder = torch.compile(self.decoder, dynamic=True)
         log.info("hf backend: %s on %s, taps %s", self.dtype, self.device, self.taps)
 
     def describe(self) -> dict:
@@ -55,5 +57,8 @@ class HFBackend:
         # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
         aux = torch.stack([out.hidden_states[j] for j in self.taps], dim=2).to(torch.bfloat16)
         final = out.last_hidden_state.to(torch.bfloat16)
-        aux, final = aux.cpu(), final.cpu()
+        if aux.is_cuda:  # pinned buffers: a fast DMA copy instead of a staged pageable one
+            aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True).copy_(aux, non_blocking=True)
+            final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True).copy_(final, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
         return [(aux[b, :n], final[b, :n]) for b, n in enumerate(lengths)]
