@@ -168,11 +168,7 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, reps: 
     drafter.set_vocab(torch.arange(32000, device="cuda"))
     drafter.set_attention(attention)
     if compile_layer:
-        layer = drafter.midlayer
-        layer.mlp = torch.compile(layer.mlp)
-        for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
-            setattr(layer, n, torch.compile(getattr(layer, n)))
-        drafter.norm = torch.compile(drafter.norm)
+        drafter.compile_blocks()
     embed = FrozenEmbedding(torch.randn(128256, 4096, dtype=torch.bfloat16) * 0.02).cuda()
     head = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
@@ -211,7 +207,7 @@ def bench_training(res, args):
     from eaglenest.drafter import DrafterConfig
     dcfg = DrafterConfig.from_target(llama8b(32).to_dict(), 32000, [2, 16, 29])
     variants = [("eager", False, False), ("flex", False, False), ("eager", True, False), ("flex", True, False),
-                ("flex", True, True)]
+                ("flex", False, True), ("flex", True, True)]
     for attention, fused, comp in variants:
         name = f"train_{attention}_{'fusedloss' if fused else 'plainloss'}{'_compiled' if comp else ''}"
         try:

@@ -157,8 +157,14 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def forward(self, x, emb, cos, sin, cache, q_offset):
-        u = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], -1)
-        h = x + self.self_attn(u, cos, sin, cache, q_offset)
+        h = x + self.self_attn(self.attn_input(x, emb), cos, sin, cache, q_offset)
+        return self.ffn(h)
+
+    # the two attention-free halves: what `Eagle3Drafter.compile_blocks` hands to torch.compile
+    def attn_input(self, x, emb):
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], -1)
+
+    def ffn(self, h):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -179,6 +185,13 @@ class Eagle3Drafter(nn.Module):
         if impl not in ("eager", "flex"):
             raise EaglenestError(f"drafter attention must be eager or flex, got {impl!r}")
         self.midlayer.self_attn.impl = impl
+
+    def compile_blocks(self) -> None:
+        """torch.compile the attention-free parts of the layer (norms, MLP): fused elementwise
+        kernels and fewer saved fp32 intermediates. Bound methods, so the state dict is unchanged."""
+        layer = self.midlayer
+        layer.attn_input = torch.compile(layer.attn_input)
+        layer.ffn = torch.compile(layer.ffn)
 
     def set_vocab(self, selected: torch.Tensor) -> None:
         """selected: sorted target ids of the draft vocabulary."""

@@ -14,6 +14,7 @@ class _StepsLinearSoftCE(torch.autograd.Function):
         need_grad = any(ctx.needs_input_grad)  # evaluation: the loss only
         Wc = W.detach().to(compute_dtype)
         gW = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
+        teacher_p, teacher_top = torch.softmax(teacher, -1), teacher.argmax(-1)  # once for all steps
         loss = torch.zeros((), dtype=torch.float32, device=W.device)
         stats = torch.zeros(K, 3, dtype=torch.float32, device=W.device)
         grads = []
@@ -23,19 +24,18 @@ class _StepsLinearSoftCE(torch.autograd.Function):
                 c1 = min(N, c0 + chunk)
                 hc = h[c0:c1].detach().to(compute_dtype)
                 logp = F.log_softmax((hc @ Wc.T).float(), -1)
-                t = teacher[c0 + 1 + k:c1 + 1 + k]          # row r predicts from row r + 1 + k
-                p = torch.softmax(t, -1)
+                p = teacher_p[c0 + 1 + k:c1 + 1 + k]        # row r predicts from row r + 1 + k
                 m = masks[k, c0:c1]
                 ce = -(p * logp).sum(-1)
                 w = m * scales[k]
                 loss += (ce * w).sum()
                 stats[k, 0] += (ce * m).sum()
-                stats[k, 1] += ((logp.argmax(-1) == t.argmax(-1)).float() * m).sum()
+                stats[k, 1] += ((logp.argmax(-1) == teacher_top[c0 + 1 + k:c1 + 1 + k]).float() * m).sum()
                 stats[k, 2] += m.sum()
                 if need_grad:
                     g = ((logp.exp_() - p) * w[:, None]).to(compute_dtype)
                     gh[c0:c1] = (g @ Wc).to(h.dtype)
-                    gW += (g.T @ hc).float()
+                    _accumulate(gW, g.T, hc)
             grads.append(gh)
         ctx.save_for_backward(gW, *grads)
         ctx.w_dtype = W.dtype
@@ -48,8 +48,19 @@ class _StepsLinearSoftCE(torch.autograd.Function):
         return ((gW * gloss).to(ctx.w_dtype), None, None, None, None, None, *[g * gloss.to(g.dtype) for g in grads])
 
 
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b without a rounded temporary where cuBLAS can add bf16 products into fp32."""
+    if a.dtype != acc.dtype and acc.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    acc += (a @ b).float()
+
+
 def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher: torch.Tensor, masks: torch.Tensor,
-                         scales: list[float], chunk: int = 1024):
+                         scales: list[float], chunk: int = 2048):
     """hs: K step outputs [B, T, H] (after the final norm); W [Vd, H]; teacher logits [B, T, Vd];
     masks [K, B, T]. Loss = sum_k scales[k] * sum_t masks[k, t] * CE(softmax(teacher[t+1+k]), h_k[t] W^T).
     Returns (loss, stats [K, 3] = per-step masked CE sum, correct top-1, mask count)."""

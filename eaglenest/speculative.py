@@ -1,6 +1,7 @@
 """Offline speculative decoding with the target (HF, KV cache) and an EAGLE-3 drafter (DESIGN §10):
 chain drafting of k tokens, greedy verification. Lossless: the output is the target's greedy
 decoding. Acceptance length counts the bonus token (no speculation = 1.0, SGLang's convention)."""
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -22,13 +23,17 @@ class TargetRunner:
     def __init__(self, model, taps: list[int]):
         self.model, self.taps = model, list(taps)
         self.device = next(model.parameters()).device
+        # transformers renamed the cache argument (past_key_values -> cache, 5.2x): use what this one takes
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
     def forward(self, ids: list[int], cache: DynamicCache, start: int, taps: bool = True):
         """Run `ids` at positions start.. with the cache; (greedy next ids, aux [n, 3, H] or None)."""
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, cache=cache, position_ids=pos, use_cache=True, output_hidden_states=taps)
+        out = self.model(input_ids=x, position_ids=pos, use_cache=True, output_hidden_states=taps,
+                         **{self.cache_kw: cache})
         aux = torch.stack([out.hidden_states[j][0] for j in self.taps], 1) if taps else None
         return out.logits[0].argmax(-1).tolist(), aux
 
