@@ -34,7 +34,9 @@ def tiny_target(root: Path):
 def padded_vs_one_by_one(target) -> dict:
     from tests.conftest import random_samples
     out = {}
-    for dtype, min_cos, max_rel in (("float32", 0.99999, 1e-4), ("bfloat16", 0.999, 0.03)):
+    # fp32 on CUDA: cuBLAS / SDPA pick other kernels for other batch shapes, so fp32 differs by
+    # ~1e-3 relative at worst (CPU: 2e-5); bf16 keeps the CPU suite's tolerance.
+    for dtype, min_cos, max_rel in (("float32", 0.99999, 2e-3), ("bfloat16", 0.999, 0.03)):
         be = HFBackend(target, resolve_taps("auto", target.num_layers), dtype=dtype, device="cuda")
         seqs = random_samples(5, target.vocab_size, 3, 90, seed=1)
         worst_cos, worst_rel = 1.0, 0.0

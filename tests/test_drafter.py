@@ -74,7 +74,7 @@ def naive_layer(d: Eagle3Drafter, xs, embs, positions):
     q = a.q_proj(u).view(1, T, a.nh, a.d).transpose(1, 2)
     k = a.k_proj(u).view(1, T, a.kvh, a.d).transpose(1, 2)
     v = a.v_proj(u).view(1, T, a.kvh, a.d).transpose(1, 2)
-    cos, sin = d.rotary(u, torch.tensor(positions)[None])
+    cos, sin = d.rotary(u, torch.tensor(positions, device=u.device)[None])
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     rep = a.nh // a.kvh
     o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
