@@ -25,6 +25,7 @@ import torch
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out/gpu"))
 T = 2048
+LOADER_PART = "end_to_end_plain_zstd"
 
 
 def cuda_time(fn, reps=5, warm=2):
@@ -112,7 +113,7 @@ def bench_extraction(res, args, peak):
                              "loss_mask": [[1] * T] * len(seqs), "n_tokens": [T] * len(seqs)}, schema=SCHEMA),
                    OUT / "tok.parquet")
     ids = torch.randint(3, 128000, (4, T), device="cuda")
-    for compiled in (False, True):
+    for compiled in (False, True) if args.compile else (False,):
         be = HFBackend(target, taps, device="cuda", compile=compiled)
         be._load()
         n_params = sum(p.numel() for n, p in be.decoder.named_parameters() if "embed" not in n)
@@ -147,12 +148,12 @@ def bench_extraction(res, args, peak):
                          "gate_passed": m["validation"].get("passed")}
             log(res)
             import shutil
-            if name == "end_to_end_plain_zstd":  # kept for the loader bench
+            if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)
                 (OUT / "tokenized").mkdir(exist_ok=True)
-                shutil.rmtree(OUT / "hidden" / "e2e", ignore_errors=True)
-                shutil.move(str(OUT / f"store-{name}"), str(OUT / "hidden" / "e2e"))
-                shutil.copy(OUT / "tok.parquet", OUT / "tokenized" / "e2e.parquet")
+                shutil.rmtree(OUT / "hidden" / name, ignore_errors=True)
+                shutil.move(str(OUT / f"store-{name}"), str(OUT / "hidden" / name))
+                shutil.copy(OUT / "tok.parquet", OUT / "tokenized" / f"{name}.parquet")
             shutil.rmtree(OUT / f"store-{name}", ignore_errors=True)
         del be
         torch.cuda.empty_cache()
@@ -228,7 +229,7 @@ def bench_loader(res, target):
     from eaglenest.packed import PackedSplit, collate
     from eaglenest.target import load_heads
     t = time.time()
-    pack(["e2e"], OUT / "hidden", OUT / "tokenized", OUT / "packed", lm_head=load_heads(target)["lm_head"],
+    pack([LOADER_PART], OUT / "hidden", OUT / "tokenized", OUT / "packed", lm_head=load_heads(target)["lm_head"],
          draft_vocab_size=32000, val_fraction=0.05, shard_mb=256, progress=False, device="cuda")
     res["pack_s"] = round(time.time() - t, 1)
     split = PackedSplit(OUT / "packed", "train")
@@ -251,9 +252,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--samples", type=int, default=96)
-    ap.add_argument("--writers", type=int, default=4)
+    ap.add_argument("--writers", type=int, default=6)
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also the torch.compile'd target (~2 min to compile)")
     args = ap.parse_args()
     from eaglenest.errors import setup_logging
     setup_logging()

@@ -13,7 +13,7 @@ import queue
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,8 +29,8 @@ from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
 from .hashing import sha256_file, sha256_text
 from .pieces import Piece, length_batches, plan_pieces
-from .store import (SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, sample_digest,
-                    write_checksums, write_index)
+from .piece_io import PieceBuffers, write_piece, write_piece_shared
+from .store import SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, write_checksums, write_index
 from .target import Target
 from .validate import Reference, run_gate
 
@@ -70,26 +70,32 @@ class WorkDir:
         return [p for p in self.root.glob(f"{self.part}-*") if p.is_dir() and p != self.path]
 
 
-def _shard_files(store: Path, piece: int) -> list[Path]:
-    return [store / "aux" / "c" / str(piece) / "0" / "0", store / "final" / "c" / str(piece) / "0",
-            store / "input_ids" / "c" / str(piece)]
-
-
 class PieceWriter:
-    """Background writers: digests, zarr encoding, file writes and fsync of finished pieces run in
-    `workers` threads (one piece = one shard file each, so they never share a file) while the
-    caller computes the next piece. A piece is committed by its manifest, in any order."""
+    """Background writers: finished pieces are digested, zarr-encoded, written and fsynced while the
+    caller computes the next piece — in `workers` threads, each handing its piece to a writer
+    process when `processes` (zarr encodes on one event loop per process). One piece = one shard
+    file per array, so writers never share a file; a piece is committed by its manifest, in any order."""
 
-    def __init__(self, group: zarr.Group, work: WorkDir, layout: Layout, workers: int = 1):
-        self.group, self.work, self.S = group, work, layout.shard_tokens
+    def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool = False):
+        self.work, self.S = work, layout.shard_tokens
         self.q: queue.Queue = queue.Queue(maxsize=workers)
         self.error: BaseException | None = None
         self.bytes_written = 0
         self.lock = threading.Lock()
+        self.pool = None
+        if processes:
+            import multiprocessing
+            # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
+            # current piece is written: same bytes as the resumed run writes, renamed into place.
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         self.threads = [threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True)
                         for i in range(workers)]
         for t in self.threads:
             t.start()
+
+    @property
+    def shared(self) -> bool:
+        return self.pool is not None
 
     def put(self, item) -> None:
         while True:
@@ -106,28 +112,26 @@ class PieceWriter:
             self.put(None)
         for t in self.threads:
             t.join()
+        if self.pool is not None:
+            self.pool.shutdown()
         if self.error is not None:
             raise self.error
 
     def _run(self) -> None:
         while (item := self.q.get()) is not None:
-            if self.error is not None:
-                continue
-            index, ids, aux, final, rows = item
-            sl = slice(index * self.S, (index + 1) * self.S)
+            index, bufs, rows = item
             try:
-                for r in rows:  # the digest of the exact bytes stored
-                    o = r["start"] - index * self.S
-                    r["digest"] = sample_digest(ids[o:o + r["length"]], aux[o:o + r["length"]],
-                                                final[o:o + r["length"]])
-                self.group["input_ids"][sl] = ids
-                self.group["aux"][sl] = aux
-                self.group["final"][sl] = final
-                written = 0
-                for f in _shard_files(self.work.store, index):
-                    if f.exists():  # an all-fill shard is not written by zarr
-                        fsync_path(f)
-                        written += f.stat().st_size
+                if self.error is not None:
+                    continue
+                if self.pool is not None:
+                    digests, written = self.pool.submit(write_piece_shared, str(self.work.store), index, self.S,
+                                                        bufs.spec, rows).result()
+                else:
+                    a = bufs.arrays
+                    digests, written = write_piece(self.work.store, index, self.S, a["ids"], a["aux"], a["final"],
+                                                   rows)
+                for r, d in zip(rows, digests):  # the digest of the exact bytes stored
+                    r["digest"] = d
                 self.work.commit_piece(index, rows)
                 with self.lock:
                     self.bytes_written += written
@@ -137,6 +141,8 @@ class PieceWriter:
                     f"(disk full or a size limit?). Committed pieces are kept; free space and rerun to resume.")
             except BaseException as e:  # noqa: BLE001 - surfaced to the main thread
                 self.error = e
+            finally:
+                bufs.release()
 
 
 def _open_work_store(work: WorkDir, layout: Layout, n_pieces: int, attrs: dict) -> zarr.Group:
@@ -184,15 +190,20 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     keys = [sample_key(target.fingerprint, efp, s.tobytes()) for s in seqs]
 
     todo_tokens = sum(lengths[i] for p in pending for i in p.samples)
-    writers = writers or max(1, min(4, (os.cpu_count() or 2) // 4))
-    writer = PieceWriter(group, work, layout, workers=writers)
+    writers = writers or max(1, min(6, (os.cpu_count() or 2) // 3))
+    writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
     t_compute = time.time()
     with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
               smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
         try:
             for piece in pending:
-                writer.put(_compute_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar,
-                                          fill))
+                item = _compute_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill,
+                                      writer.shared)
+                try:
+                    writer.put(item)
+                except BaseException:
+                    item[1].release()
+                    raise
         finally:
             writer.close()
     compute_s = time.time() - t_compute
@@ -232,13 +243,21 @@ class GateFailed(EaglenestError):
 
 
 def _compute_piece(piece: Piece, seqs, lengths, names, keys, backend, layout: Layout, batch_tokens: int, bar,
-                   fill: ThreadPoolExecutor):
-    """Run the piece's batches through the backend; copying each batch into the piece's arrays
+                   fill: ThreadPoolExecutor, shared: bool):
+    """Run the piece's batches through the backend; copying each batch into the piece's buffers
     happens in `fill` threads while the backend computes the next batch."""
     S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
-    ids = np.full((S,), -1, dtype=np.int32)
-    aux = np.zeros((S, A, H), dtype=np.uint16)
-    final = np.zeros((S, H), dtype=np.uint16)
+    bufs = PieceBuffers(S, A, H, shared)
+    try:
+        return _fill_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, bufs)
+    except BaseException:
+        bufs.release()  # shared memory outlives the process otherwise
+        raise
+
+
+def _fill_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, bufs):
+    S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
+    ids, aux, final = bufs.arrays["ids"], bufs.arrays["aux"], bufs.arrays["final"]
     start = dict(zip(piece.samples, piece.offsets))
 
     def copy_in(items):
@@ -265,7 +284,7 @@ def _compute_piece(piece: Piece, seqs, lengths, names, keys, backend, layout: La
     base = piece.index * S
     rows = [{"id": names[i], "key": keys[i], "start": base + start[i], "length": lengths[i], "piece": piece.index}
             for i in piece.samples]  # the writer adds each digest
-    return piece.index, ids, aux, final, rows
+    return piece.index, bufs, rows
 
 
 def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> tuple[dict, bool]:

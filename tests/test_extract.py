@@ -113,6 +113,27 @@ def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
             v["margin"][f"aux_{k}_vs_adjacent_{k + 1}"]["cosine_mean"]
 
 
+def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
+    """Pieces written by writer processes over shared memory (the many-core GPU-host path) equal
+    those written in-thread, and no shared-memory segment is left behind."""
+    import os
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    tok = write_tokenized(tmp_path / "p.parquet", random_samples(40, tiny_target.vocab_size, 5, 60, seed=4))
+    before = set(os.listdir("/dev/shm"))
+    index = {}
+    for writers in (1, 3):
+        extract_part(part="p", tokenized=tok, target=tiny_target, backend=HFBackend(tiny_target, taps, device="cpu"),
+                     taps=taps, dtype="float32", revision=0,
+                     layout_cfg=dict(chunk_mb=0.005, shard_mb=0.02, codec="zstd", level=1),
+                     validate_cfg={"samples": 2}, out_dir=tmp_path / f"w{writers}", work_root=tmp_path / "work",
+                     batch_tokens=256, max_seq_len=64, progress=False, writers=writers)
+        store = HiddenStore(tmp_path / f"w{writers}")
+        assert verify_store(store.path, progress=False) == []
+        index[writers] = [(r["key"], r["digest"], r["start"]) for r in store.index]
+    assert index[1] == index[3] and HiddenStore(tmp_path / "w3").attrs["layout"]["shard_tokens"] < 200
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
 # --- crash safety --------------------------------------------------------------------------------
 
 def _workspace(root, target, seqs):
