@@ -42,7 +42,7 @@ def main(argv=None) -> None:
             layout_cfg={k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")}, validate_cfg=va,
             out_dir=Path(f"data/hidden/{args.part}"), work_root=Path(ex.get("work_dir", ".eaglenest/work")),
             batch_tokens=int(ex.get("batch_tokens", 4096)), max_seq_len=int(params["tokenize"]["max_seq_len"]),
-            progress=not args.no_progress)
+            progress=not args.no_progress, writers=ex.get("writers") if ex.get("writers") != "auto" else None)
     except GateFailed as e:
         write_json(metrics_path, e.metrics)
         raise
