@@ -98,6 +98,7 @@ def speculative_lossless(target) -> dict:
     import numpy as np
 
     from tests.conftest import random_samples
+    from tests.test_train import oracle_drafter
 
     from eaglenest.drafter import DrafterConfig, Eagle3Drafter
     from eaglenest.speculative import TargetRunner, greedy_decode, speculative_decode
@@ -117,13 +118,8 @@ def speculative_lossless(target) -> dict:
             prompt = prompt.tolist()
             g = greedy_decode(runner, prompt, 24, eos={2})
             s = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3)
-
-            def oracle(_d, _e, _f, tokens, k):
-                n = len(tokens) - len(prompt)
-                truth = (g.tokens + [0] * 8)[n:n + k]
-                cut = int(rng.integers(0, k + 1))
-                return truth[:cut] + [(t + 1) % 200 for t in truth[cut:]]
-            s2 = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3, draft_fn=oracle)
+            s2 = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3,
+                                    draft_fn=oracle_drafter(g.tokens, len(prompt), rng))
             out["prompts"] += 1
             out["random_identical"] += s.tokens == g.tokens
             out["oracle_identical"] += s2.tokens == g.tokens

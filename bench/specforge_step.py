@@ -14,22 +14,12 @@ Before timing, both losses and their gradients are compared on the shared batch.
 import argparse
 import json
 import os
-import time
 
 import torch
 
+from .gpu import cuda_time
+
 T, H, V, VD, K = 2048, 4096, 128256, 32000, 7
-
-
-def cuda_time(fn, reps, warm=2):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
 
 
 def main():
@@ -125,7 +115,7 @@ def main():
     embed.cpu()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    dt = cuda_time(sf_step, args.reps)
+    dt = cuda_time(sf_step, reps=args.reps)
     res["specforge"] = {"step_ms": round(dt * 1e3, 1), "tok_s": round(T / dt, 1),
                         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
     print(json.dumps(res), flush=True)
@@ -146,7 +136,7 @@ def main():
         torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.5)
         o2.step()
     torch.cuda.reset_peak_memory_stats()
-    dt = cuda_time(our_step, args.reps)
+    dt = cuda_time(our_step, reps=args.reps)
     res["eaglenest"] = {"step_ms": round(dt * 1e3, 1), "tok_s": round(T / dt, 1),
                         "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
     res["speedup"] = round(res["eaglenest"]["tok_s"] / res["specforge"]["tok_s"], 3)

@@ -15,7 +15,7 @@ checksums.json, checked on every open.
 """
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

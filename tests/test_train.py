@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from eaglenest.packed import PackedSplit
 from eaglenest.speculative import TargetRunner, greedy_decode, speculative_decode
 from eaglenest.target import load_model
 
-from .conftest import REPO, base_params, random_samples, run_py, train_params
+from .conftest import random_samples, run_py, train_params
 
 
 def workspace_copy(src, dst, **train_over):
@@ -84,6 +83,16 @@ def tiny_drafter(tiny_target, taps, seed):
     return d.eval()
 
 
+def oracle_drafter(truth_tokens: list[int], prompt_len: int, rng, vocab: int = 200):
+    """A drafter right up to a random position of each chain: exercises every accept length."""
+    def draft(_d, _e, _f, tokens, k):
+        n = len(tokens) - prompt_len
+        truth = (truth_tokens + [0] * 8)[n:n + k]
+        cut = int(rng.integers(0, k + 1))
+        return truth[:cut] + [(t + 1) % vocab for t in truth[cut:]]
+    return draft
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_speculative_decoding_is_lossless(tiny_target, tiny_fp32, seed):
     taps = [2, 4, 5]
@@ -97,12 +106,7 @@ def test_speculative_decoding_is_lossless(tiny_target, tiny_fp32, seed):
         s = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3)
         assert s.tokens == g.tokens
 
-        # an oracle drafter that is right up to a random position exercises every accept length
-        def oracle(_d, _e, _f, tokens, k):
-            n = len(tokens) - len(prompt)
-            truth = (g.tokens + [0] * 8)[n:n + k]
-            cut = int(rng.integers(0, k + 1))
-            return truth[:cut] + [(t + 1) % 200 for t in truth[cut:]]
-        s2 = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3, draft_fn=oracle)
+        s2 = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3,
+                                draft_fn=oracle_drafter(g.tokens, len(prompt), rng))
         assert s2.tokens == g.tokens and max(s2.accepted) >= 1
         assert s2.target_forwards < g.target_forwards or len(g.tokens) <= 2
