@@ -18,6 +18,7 @@ Writes bench/out/gpu/results.json (BENCH_OUT overrides the directory).
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -147,7 +148,6 @@ def bench_extraction(res, args, peak):
                          "bytes_per_token": m["bytes_per_token"], "GB_written": round(m["stored_bytes"] / 1e9, 2),
                          "gate_passed": m["validation"].get("passed")}
             log(res)
-            import shutil
             if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)
                 (OUT / "tokenized").mkdir(exist_ok=True)
@@ -241,10 +241,11 @@ def bench_loader(res, target):
         b = collate(split, [i])
         nbytes += sum(v.numel() * v.element_size() for v in b.values())
     dt = time.time() - t
+    # None when this run skipped training (the figure then comes from a --skip-extract run)
     best = max((v.get("tok_s", 0) for k, v in res.items() if k.startswith("train_") and isinstance(v, dict)),
-               default=0)
+               default=None)
     res["loader"] = {"GB_s": round(nbytes / dt / 1e9, 2), "tok_s": round(len(idx) * T / dt, 1),
-                     "training_needs_GB_s": round(best * 4 * 4096 * 2 / 1e9, 2)}
+                     "training_needs_GB_s": round(best * 4 * 4096 * 2 / 1e9, 2) if best else None}
     log(res)
 
 
