@@ -5,13 +5,15 @@ on the same GPU, against a bf16 matmul peak measured in the same run.
 
 1. Extraction, hf backend, a Llama-3.1-8B-shaped target with random bf16 weights (built from a
    config, saved and loaded back): forward only (decoder, output_hidden_states, 4 x 2048), plain
-   and torch.compile'd; the host path alone (pinned D2H + fill + digest + zarr + fsync, fed from GPU
-   tensors with no model); end to end through `extract_part`, codec none and zstd, plain and
-   compiled. MFU = 2 x non-embedding params x tokens / time / peak.
+   and torch.compile'd; the host path alone (pinned D2H + fill + digest + shard encode + write +
+   fsync, fed from GPU tensors with no model); end to end through `extract_part`, codec none and
+   zstd, plain and compiled. MFU = 2 x non-embedding params x tokens / time / peak (the decoder
+   only: extraction never computes the lm_head).
 2. Drafter training step at 8B shapes (H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab
    32000, TTT 7, seq 2048, bf16 autocast, fp32 master weights, fused AdamW, grad clip), one lever
-   at a time: eager attention + plain loss (the old step), flex attention, fused loss, both, both +
-   compiled MLP/norms. tokens/s and peak memory.
+   at a time: eager attention + plain loss (the old step), flex attention + fused loss (its chunk
+   math eager, then compiled), + the layer compiled around the attention kernel. tokens/s, peak
+   memory (after forward + loss, after backward), `--profile`: GPU time by kernel family.
 3. Loader: the zstd store packed, its train split read as the trainer reads it, in GB/s.
 Writes bench/out/gpu/results.json (BENCH_OUT overrides the directory).
 """
@@ -113,7 +115,8 @@ def bench_extraction(res, args, peak):
     pq.write_table(pa.table({"id": [f"s{i}" for i in range(len(seqs))], "input_ids": seqs,
                              "loss_mask": [[1] * T] * len(seqs), "n_tokens": [T] * len(seqs)}, schema=SCHEMA),
                    OUT / "tok.parquet")
-    ids = torch.randint(3, 128000, (4, T), device="cuda")
+    ids = torch.randint(3, 128000, (args.batch_tokens // T, T), device="cuda")
+    mask = torch.ones_like(ids)  # as extract passes it: the compiled graph is the one end to end runs
     for compiled in (False, True) if args.compile else (False,):
         be = HFBackend(target, taps, device="cuda", compile=compiled)
         be._load()
@@ -121,14 +124,15 @@ def bench_extraction(res, args, peak):
         tag = "compiled" if compiled else "plain"
         t = time.time()
         with torch.inference_mode():
-            be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)  # compile happens here
+            be.decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)  # compiles
         res[f"forward_{tag}_first_call_s"] = round(time.time() - t, 1)
         with torch.inference_mode():
-            fwd = cuda_time(lambda: be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False), reps=5)
+            fwd = cuda_time(lambda: be.decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True,
+                                               use_cache=False), reps=5)
         res[f"forward_only_{tag}"] = {"tok_s": round(ids.numel() / fwd, 1),
                                       "mfu": round(2 * n_params * ids.numel() / fwd / peak, 3)}
         log(res)
-        runs = [("none", be), ("zstd", be)]
+        runs = [("none", be), ("zstd", be)] if not compiled else [("zstd", be)]
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
             runs = [("none", host), ("zstd", host)] + runs
@@ -142,8 +146,8 @@ def bench_extraction(res, args, peak):
                              # stores random states, so its gate is skipped (samples 0).
                              validate_cfg={"samples": 0 if backend is not be else 1, "max_rel_err_mean": 0.1,
                                            "max_rel_err_token": 0.3},
-                             out_dir=OUT / f"store-{name}", work_root=OUT / "work", batch_tokens=8192,
-                             max_seq_len=T, progress=False, writers=args.writers)
+                             out_dir=OUT / f"store-{name}", work_root=OUT / "work",
+                             max_seq_len=T, progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
             res[name] = {"tok_s": m["tokens_per_s"], "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
                          "bytes_per_token": m["bytes_per_token"], "GB_written": round(m["stored_bytes"] / 1e9, 2),
                          "gate_passed": m["validation"].get("passed")}
@@ -160,10 +164,13 @@ def bench_extraction(res, args, peak):
     return target
 
 
-def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, reps: int = 6) -> dict:
+def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_kernel: bool = True, reps: int = 6,
+                  profile: bool = False) -> dict:
+    from eaglenest import fused_loss
     from eaglenest.drafter import Eagle3Drafter
     from eaglenest.train import FrozenEmbedding
     from eaglenest.ttt import ttt_loss
+    fused_loss.COMPILE_ON_CUDA = loss_kernel
     torch.manual_seed(0)
     drafter = Eagle3Drafter(dcfg).cuda()
     drafter.set_vocab(torch.arange(32000, device="cuda"))
@@ -179,40 +186,76 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, reps: 
              "input_ids": torch.randint(0, 128000, (1, T), device="cuda", generator=g),
              "loss_mask": torch.ones(1, T, dtype=torch.long, device="cuda"),
              "in_vocab": torch.ones(1, T, dtype=torch.long, device="cuda")}
-    losses = []
+    losses, phases = [], {}
 
-    def step():
+    def step(record=False):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss, _ = ttt_loss(drafter, batch, embed, head, 7, [float(T)] * 7, fused=fused)
+        if record:
+            phases["after_forward_and_loss_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         loss.backward()
+        if record:
+            phases["after_backward_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         opt.step()
         losses.append(loss.detach())
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     t = time.time()
     step()
     torch.cuda.synchronize()
     first = time.time() - t
-    dt = cuda_time(step, reps=reps, warm=2)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(record=True)
+    dt = cuda_time(step, reps=reps, warm=1)
     out = {"step_ms": round(dt * 1000, 1), "tok_s": round(T / dt, 1),
-           "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "first_step_s": round(first, 1),
-           "first_loss": round(losses[0].item(), 5)}
+           "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), **phases,
+           "first_step_s": round(first, 1), "first_loss": round(losses[0].item(), 5)}
+    if profile:
+        out["profile"] = kernel_profile(step)
     del drafter, opt, embed, head, batch
     torch.cuda.empty_cache()
     return out
 
 
+def kernel_profile(fn) -> dict:
+    """GPU time of one step by kernel family, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fam = {}
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total
+        if us <= 0:
+            continue
+        n = e.key.lower()
+        f = ("gemm" if any(x in n for x in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")) else
+             "flex_attention" if "flex" in n or "triton_tem" in n else
+             "triton (compiled)" if "triton" in n else "elementwise/other")
+        fam[f] = fam.get(f, 0) + us
+        rows.append((us, e.count, e.key[:90]))
+    rows.sort(reverse=True)
+    return {"ms_by_family": {k: round(v / 1000, 2) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
+            "gpu_ms_total": round(sum(fam.values()) / 1000, 2),
+            "top": [{"ms": round(us / 1000, 2), "calls": c, "kernel": k} for us, c, k in rows[:15]]}
+
+
 def bench_training(res, args):
     from eaglenest.drafter import DrafterConfig
     dcfg = DrafterConfig.from_target(llama8b(32).to_dict(), 32000, [2, 16, 29])
-    variants = [("eager", False, False), ("flex", False, False), ("eager", True, False), ("flex", True, False),
-                ("flex", False, True), ("flex", True, True)]
-    for attention, fused, comp in variants:
-        name = f"train_{attention}_{'fusedloss' if fused else 'plainloss'}{'_compiled' if comp else ''}"
+    # (attention, fused loss, compiled layer, compiled loss kernel)
+    variants = [("eager", False, False, False), ("flex", True, False, False), ("flex", True, False, True),
+                ("flex", True, True, True)]
+    for attention, fused, comp, kernel in variants:
+        name = (f"train_{attention}_{'fusedloss' if fused else 'plainloss'}{'_kernel' if kernel else ''}"
+                f"{'_compiled' if comp else ''}")
         try:
-            res[name] = train_variant(dcfg, attention, fused, comp)
+            res[name] = train_variant(dcfg, attention, fused, comp, kernel,
+                                      profile=args.profile and (attention, fused, kernel) == ("flex", True, True))
         except torch.OutOfMemoryError as e:
             res[name] = {"error": f"OOM: {str(e)[:200]}"}
             torch.cuda.empty_cache()
@@ -247,6 +290,34 @@ def bench_loader(res, target):
     res["loader"] = {"GB_s": round(nbytes / dt / 1e9, 2), "tok_s": round(len(idx) * T / dt, 1),
                      "training_needs_GB_s": round(best * 4 * 4096 * 2 / 1e9, 2) if best else None}
     log(res)
+    bench_trainer(res, target)
+
+
+def bench_trainer(res, target, steps: int = 40):
+    """The real `Trainer` on the packed shards (TTT 7, one 2048-token sample per step): the loop
+    `fit` runs — the next step's batches collated and pinned in a thread, `train_step`, the loss
+    read back — after 3 warm-up steps (compilation)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eaglenest.train import Trainer, TrainConfig
+    torch.cuda.empty_cache()
+    tr = Trainer(OUT / "packed", target, TrainConfig(ttt_steps=7, batch_tokens=T, micro_batches=1, device="cuda"),
+                 OUT / "ckpt")
+    plan = [[[i]] for i in range(len(tr.train_split))][:steps + 3]
+    with ThreadPoolExecutor(1) as loader:
+        nxt = loader.submit(tr.load_step, plan[0])
+        for s, micro in enumerate(plan):
+            if s == 3:
+                torch.cuda.synchronize()
+                t = time.time()
+            loaded = nxt.result()
+            if s + 1 < len(plan):
+                nxt = loader.submit(tr.load_step, plan[s + 1])
+            float(tr.train_step(micro, loaded)[0, 0])  # fit reads the loss back every step
+    dt = time.time() - t
+    # tokens/s only: this process still holds earlier benches' allocations, so no clean peak here
+    res["trainer_on_packed_shards"] = {"steps": len(plan) - 3, "tok_s": round((len(plan) - 3) * T / dt, 1)}
+    log(res)
 
 
 def main():
@@ -254,14 +325,20 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--samples", type=int, default=96)
     ap.add_argument("--writers", type=int, default=6)
+    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads in this process (host-path contention)")
+    ap.add_argument("--batch-tokens", type=int, default=8192, help="extraction batch (multiple of 2048)")
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also the torch.compile'd target (~2 min to compile)")
+    ap.add_argument("--profile", action="store_true", help="GPU kernel-time breakdown of the default training step")
     args = ap.parse_args()
     from eaglenest.errors import setup_logging
     setup_logging()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "transformers": __import__("transformers").__version__, "cpus": os.cpu_count()}
+           "transformers": __import__("transformers").__version__, "cpus": os.cpu_count(),
+           "torch_threads": torch.get_num_threads()}
     peak = matmul_peak()
     res["matmul_peak_tflops"] = round(peak / 1e12, 1)
     log(res)

@@ -7,8 +7,8 @@ Shapes: H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab 32000 (t2d
 ids), TTT 7, one 2048-token sequence. SpecForge: `LlamaForCausalLMEagle3` (flex attention) in bf16
 under `OnlineEagle3Model`, its Triton loss, its `BF16Optimizer` (fp32 master + AdamW, clip 0.5),
 loss = sum_k 0.8^k ploss_k; its inputs shifted by one as its `TargetHead.preprocess` does.
-eaglenest: the same weights in fp32 master, bf16 autocast, flex TTT attention, fused loss, fused
-AdamW, clip 0.5, denominators T (so both losses are sum_k 0.8^k sum_t mask CE / T).
+eaglenest: the same weights in fp32 master, bf16 autocast, flex TTT attention, the layer compiled
+around it, fused loss, fused AdamW, clip 0.5, denominators T (so both losses are sum_k 0.8^k sum_t mask CE / T).
 Before timing, both losses and their gradients are compared on the shared batch.
 """
 import argparse
@@ -60,6 +60,7 @@ def main():
                                  "unexpected": unexpected}
     ours.set_vocab(torch.arange(VD, device="cuda"))
     ours.set_attention("flex")
+    ours.compile_blocks()  # as the trainer does on CUDA (train.compile: auto)
     embed = FrozenEmbedding(sf.embed_tokens.weight.detach())
 
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -113,13 +113,23 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, self.kvh * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, c.hidden_size, bias=False)
 
-    def forward(self, u, cos, sin, cache: StepCache, q_offset: int) -> torch.Tensor:
-        """u [B, Tq, 2H] for cells q_offset..q_offset+Tq-1. The first call fills step 0 (all cells)."""
+    def project(self, u, cos, sin, w: dict):
+        """u [B, Tq, 2H] for cells q_offset..q_offset+Tq-1 -> q [B, nh, Tq, d], k, v [B, kvh, Tq, d] (RoPE'd)."""
         B, Tq, _ = u.shape
-        q = self.q_proj(u).view(B, Tq, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(u).view(B, Tq, self.kvh, self.d).transpose(1, 2)
-        v = self.v_proj(u).view(B, Tq, self.kvh, self.d).transpose(1, 2)
+        q = F.linear(u, w["self_attn.q_proj.weight"]).view(B, Tq, self.nh, self.d).transpose(1, 2)
+        k = F.linear(u, w["self_attn.k_proj.weight"]).view(B, Tq, self.kvh, self.d).transpose(1, 2)
+        v = F.linear(u, w["self_attn.v_proj.weight"]).view(B, Tq, self.kvh, self.d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def output(self, a: torch.Tensor, w: dict) -> torch.Tensor:
+        """a [B, nh, Tq, d] -> o_proj over the concatenated heads."""
+        B, _, Tq, _ = a.shape
+        return F.linear(a.transpose(1, 2).reshape(B, Tq, self.nh * self.d), w["self_attn.o_proj.weight"])
+
+    def attend(self, q, k, v, cache: StepCache, q_offset: int) -> torch.Tensor:
+        """Appends k, v to the cache; q [B, nh, Tq, d] -> [B, nh, Tq, d]."""
+        Tq = q.shape[2]
         rep = self.nh // self.kvh
         if cache.k0 is None:
             cache.k0, cache.v0 = k, v
@@ -128,13 +138,12 @@ class Eagle3Attention(nn.Module):
             cache.diag_v.append(v)
         if self.impl == "flex" and q_offset == 0 and Tq == cache.k0.shape[2]:
             from .ttt_attention import ttt_attention
-            out = ttt_attention(q, [cache.k0, *cache.diag_k], [cache.v0, *cache.diag_v])
-            return self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.nh * self.d))
+            return ttt_attention(q, [cache.k0, *cache.diag_k], [cache.v0, *cache.diag_v])
         k0, v0 = cache.k0.repeat_interleave(rep, 1), cache.v0.repeat_interleave(rep, 1)
         scale = self.d ** -0.5
         s0 = (q @ k0.transpose(-1, -2)) * scale                              # [B, nh, Tq, T0]
-        cells = torch.arange(q_offset, q_offset + Tq, device=u.device)
-        causal = torch.arange(k0.shape[2], device=u.device)[None, :] > cells[:, None]
+        cells = torch.arange(q_offset, q_offset + Tq, device=q.device)
+        causal = torch.arange(k0.shape[2], device=q.device)[None, :] > cells[:, None]
         s0 = s0.masked_fill(causal, float("-inf"))
         dk = [x.repeat_interleave(rep, 1) for x in cache.diag_k]
         dv = [x.repeat_interleave(rep, 1) for x in cache.diag_v]
@@ -143,7 +152,22 @@ class Eagle3Attention(nn.Module):
         out = p[..., :s0.shape[-1]] @ v0
         for j, x in enumerate(dv):
             out = out + p[..., s0.shape[-1] + j, None] * x
-        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, self.nh * self.d))
+        return out
+
+
+def _cast_once(t: torch.Tensor) -> torch.Tensor:
+    """The autocast dtype, once: the projections that share this input then share one saved copy
+    (autocast would cast, and autograd save, a copy per projection)."""
+    dev = t.device.type
+    return t.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else t
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's arithmetic, on an explicit weight."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 class Eagle3Layer(nn.Module):
@@ -156,16 +180,28 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(self, x, emb, cos, sin, cache, q_offset):
-        h = x + self.self_attn(self.attn_input(x, emb), cos, sin, cache, q_offset)
-        return self.ffn(h)
+    def weights(self) -> dict:
+        """This layer's weights by name, the Linear ones in the autocast dtype: cast ONCE per TTT
+        unroll, so the K steps (and the compiled halves) share one saved copy and add their
+        gradients in that dtype, as autocast's weight cache does in eager mode."""
+        return {n: (_cast_once(p) if p.dim() == 2 else p) for n, p in self.named_parameters()}
 
-    # the two attention-free halves: what `Eagle3Drafter.compile_blocks` hands to torch.compile
-    def attn_input(self, x, emb):
-        return torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], -1)
+    def forward(self, x, emb, cos, sin, cache, q_offset, w: dict | None = None):
+        w = self.weights() if w is None else w
+        q, k, v = self.qkv(x, emb, cos, sin, w)
+        return self.out(x, self.self_attn.attend(q, k, v, cache, q_offset), w)
 
-    def ffn(self, h):
-        return h + self.mlp(self.post_attention_layernorm(h))
+    # the attention-free halves around `attend`: what `Eagle3Drafter.compile_blocks` compiles
+    def qkv(self, x, emb, cos, sin, w: dict):
+        eps = self.hidden_norm.variance_epsilon
+        u = torch.cat([rms_norm(emb, w["input_layernorm.weight"], eps), rms_norm(x, w["hidden_norm.weight"], eps)], -1)
+        return self.self_attn.project(_cast_once(u), cos, sin, w)
+
+    def out(self, x, a, w: dict):
+        h = x + self.self_attn.output(a, w)
+        m = _cast_once(rms_norm(h, w["post_attention_layernorm.weight"], self.post_attention_layernorm.variance_epsilon))
+        act = self.mlp.act_fn(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"])
+        return h + F.linear(act, w["mlp.down_proj.weight"])
 
 
 class Eagle3Drafter(nn.Module):
@@ -187,11 +223,13 @@ class Eagle3Drafter(nn.Module):
         self.midlayer.self_attn.impl = impl
 
     def compile_blocks(self) -> None:
-        """torch.compile the attention-free parts of the layer (norms, MLP): fused elementwise
-        kernels and fewer saved fp32 intermediates. Bound methods, so the state dict is unchanged."""
+        """torch.compile everything around the attention kernel: norms + q/k/v + RoPE, and o_proj +
+        residual + norm + MLP + residual, and the final norm: fused elementwise kernels and fewer
+        saved intermediates. Bound methods, so the state dict is unchanged."""
         layer = self.midlayer
-        layer.attn_input = torch.compile(layer.attn_input)
-        layer.ffn = torch.compile(layer.ffn)
+        layer.qkv = torch.compile(layer.qkv)
+        layer.out = torch.compile(layer.out)
+        self.norm.forward = torch.compile(self.norm.forward)
 
     def set_vocab(self, selected: torch.Tensor) -> None:
         """selected: sorted target ids of the draft vocabulary."""
@@ -199,11 +237,12 @@ class Eagle3Drafter(nn.Module):
         self.t2d.zero_()
         self.t2d[selected] = True
 
-    def step(self, x, emb, positions, cache: StepCache, q_offset: int = 0) -> torch.Tensor:
+    def step(self, x, emb, positions, cache: StepCache, q_offset: int = 0, w: dict | None = None) -> torch.Tensor:
         """One TTT step: x the hidden input (fc(aux) at step 0, the previous step's h after), emb the
-        token embeddings, positions [Tq] RoPE positions. Returns h [B, Tq, H] (pre-norm)."""
+        token embeddings, positions [Tq] RoPE positions, w the layer's `weights()` (cast once per
+        unroll). Returns h [B, Tq, H] (pre-norm)."""
         cos, sin = self.rotary(x, positions[None])
-        return self.midlayer(x, emb, cos, sin, cache, q_offset)
+        return self.midlayer(x, emb, cos, sin, cache, q_offset, w)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
@@ -215,9 +254,9 @@ class Eagle3Drafter(nn.Module):
         Cell t at step k reads token x_{t+1+k} (teacher forcing) at RoPE position t+k."""
         T = input_ids.shape[1]
         cache, x, out = StepCache(), self.project(aux), []
-        pos = torch.arange(T, device=input_ids.device)
+        pos, w = torch.arange(T, device=input_ids.device), self.midlayer.weights()
         for k in range(n_steps):
-            x = self.step(x, embed(shift_left(input_ids, 1 + k)), pos + k, cache)
+            x = self.step(x, embed(shift_left(input_ids, 1 + k)), pos + k, cache, w=w)
             out.append(self.logits(x) if logits else self.norm(x))
         return out
 

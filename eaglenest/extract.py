@@ -1,8 +1,8 @@
 """Extract one part's hidden states into a Zarr store, crash-safe and resumable (DESIGN §5, §6).
 
 A work directory outside the DVC outputs, keyed by (input hash, target, extractor, layout), holds
-the store being built. Each piece (= one zarr shard) is written by a background thread — zarr
-writes every file to a temp name and renames it — then fsynced, then its manifest is written
+the store being built. Each piece (= one zarr shard per array) is encoded and written by a
+background writer (`piece_io`: temp name, fsync, rename), then its manifest is written
 (temp + fsync + rename). A manifest commits a piece; a restart keeps committed pieces and
 extracts only the rest. After the validation gate passes, the index is written and the store
 is renamed into the output in one step; a failed gate commits nothing."""
@@ -29,7 +29,7 @@ from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
 from .hashing import sha256_file, sha256_text
 from .pieces import Piece, length_batches, plan_pieces
-from .piece_io import PieceBuffers, write_piece, write_piece_shared
+from .piece_io import BufferPool, write_piece, write_piece_shared
 from .store import SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, write_checksums, write_index
 from .target import Target
 from .validate import Reference, run_gate
@@ -77,7 +77,7 @@ class PieceWriter:
     file per array, so writers never share a file; a piece is committed by its manifest, in any order."""
 
     def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool = False):
-        self.work, self.S = work, layout.shard_tokens
+        self.work, self.layout = work, layout
         self.q: queue.Queue = queue.Queue(maxsize=workers)
         self.error: BaseException | None = None
         self.bytes_written = 0
@@ -124,11 +124,11 @@ class PieceWriter:
                 if self.error is not None:
                     continue
                 if self.pool is not None:
-                    digests, written = self.pool.submit(write_piece_shared, str(self.work.store), index, self.S,
+                    digests, written = self.pool.submit(write_piece_shared, str(self.work.store), index, self.layout,
                                                         bufs.spec, rows).result()
                 else:
                     a = bufs.arrays
-                    digests, written = write_piece(self.work.store, index, self.S, a["ids"], a["aux"], a["final"],
+                    digests, written = write_piece(self.work.store, index, self.layout, a["ids"], a["aux"], a["final"],
                                                    rows)
                 for r, d in zip(rows, digests):  # the digest of the exact bytes stored
                     r["digest"] = d
@@ -192,20 +192,17 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     todo_tokens = sum(lengths[i] for p in pending for i in p.samples)
     writers = writers or max(1, min(6, (os.cpu_count() or 2) // 3))
     writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
+    pool = BufferPool(layout.shard_tokens, layout.n_aux, layout.hidden, shared=writer.shared)
     t_compute = time.time()
     with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
               smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
         try:
-            for piece in pending:
-                item = _compute_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill,
-                                      writer.shared)
-                try:
-                    writer.put(item)
-                except BaseException:
-                    item[1].release()
-                    raise
+            _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool)
         finally:
-            writer.close()
+            try:
+                writer.close()
+            finally:
+                pool.close()
     compute_s = time.time() - t_compute
 
     rows = [r for m in work.committed().values() for r in m["samples"]]
@@ -242,49 +239,90 @@ class GateFailed(EaglenestError):
                          + "; ".join(metrics["validation"]["failures"]))
 
 
-def _compute_piece(piece: Piece, seqs, lengths, names, keys, backend, layout: Layout, batch_tokens: int, bar,
-                   fill: ThreadPoolExecutor, shared: bool):
-    """Run the piece's batches through the backend; copying each batch into the piece's buffers
-    happens in `fill` threads while the backend computes the next batch."""
-    S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
-    bufs = PieceBuffers(S, A, H, shared)
-    try:
-        return _fill_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, bufs)
-    except BaseException:
-        bufs.release()  # shared memory outlives the process otherwise
-        raise
-
-
-def _fill_piece(piece, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, bufs):
-    S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
-    ids, aux, final = bufs.arrays["ids"], bufs.arrays["aux"], bufs.arrays["final"]
-    start = dict(zip(piece.samples, piece.offsets))
-
-    def copy_in(items):
-        for i, a, f in items:
-            o, n = start[i], lengths[i]
-            ids[o:o + n], aux[o:o + n], final[o:o + n] = seqs[i], to_bits(a), to_bits(f)
-
-    copies = []
-    for batch in length_batches(piece.samples, lengths, batch_tokens):
+def _launch(backend, batch: list[int], seqs, names, piece: Piece):
+    """Start one batch; returns a callable that waits for its outputs. A backend with
+    `extract_async` (hf) computes while the caller copies the previous batch out."""
+    def named(fn, *a):
         try:
-            outs = backend.extract([seqs[i] for i in batch])
+            return fn(*a)
         except SampleFailed as e:
             raise EaglenestError(f"sample {names[batch[e.position]]!r} (part piece {piece.index}): {e.reason}. "
                                  f"Committed pieces are kept; rerun to resume.") from None
+    launch = getattr(backend, "extract_async", None)
+    if launch is None:
+        outs = named(backend.extract, [seqs[i] for i in batch])
+        return lambda: outs
+    wait = named(launch, [seqs[i] for i in batch])
+    return lambda: named(wait)
+
+
+class _PieceFill:
+    """One piece's buffers being filled; the copies run in `fill` threads."""
+
+    def __init__(self, piece: Piece, layout: Layout, pool: BufferPool):
+        self.piece, self.layout = piece, layout
+        self.bufs = pool.get()
+        self.start = dict(zip(piece.samples, piece.offsets))
+        self.copies = []
+
+    def add(self, batch, outs, seqs, lengths, names, fill: ThreadPoolExecutor) -> None:
+        A, H = self.layout.n_aux, self.layout.hidden
         for i, (a, f) in zip(batch, outs):
             n = lengths[i]
             if a.shape != (n, A, H) or f.shape != (n, H):
                 raise EaglenestError(f"backend returned aux {tuple(a.shape)} / final {tuple(f.shape)} for sample "
                                      f"{names[i]!r}; expected ({n}, {A}, {H}) / ({n}, {H})")
-        copies.append(fill.submit(copy_in, [(i, a, f) for i, (a, f) in zip(batch, outs)]))
-        bar.update(sum(lengths[i] for i in batch))
-    for c in copies:
-        c.result()
-    base = piece.index * S
-    rows = [{"id": names[i], "key": keys[i], "start": base + start[i], "length": lengths[i], "piece": piece.index}
-            for i in piece.samples]  # the writer adds each digest
-    return piece.index, bufs, rows
+        arr = self.bufs.arrays
+
+        def copy_in(items):
+            for i, a, f in items:
+                o, n = self.start[i], lengths[i]
+                arr["ids"][o:o + n], arr["aux"][o:o + n], arr["final"][o:o + n] = seqs[i], to_bits(a), to_bits(f)
+        self.copies.append(fill.submit(copy_in, [(i, a, f) for i, (a, f) in zip(batch, outs)]))
+
+    def finish(self, lengths, names, keys):
+        for c in self.copies:
+            c.result()
+        p = self.piece
+        self.bufs.pad_from(sum(lengths[i] for i in p.samples))  # samples sit back to back from row 0
+        base = p.index * self.layout.shard_tokens
+        rows = [{"id": names[i], "key": keys[i], "start": base + self.start[i], "length": lengths[i],
+                 "piece": p.index} for i in p.samples]  # the writer adds each digest
+        return p.index, self.bufs, rows
+
+
+def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool) -> None:
+    """Every batch of every pending piece through the backend, the next batch always launched
+    before the current one's outputs are awaited, so the GPU never waits on the host; each
+    finished piece goes to the writer."""
+    work = iter([(p, b, j == len(bs) - 1) for p in pending
+                 for bs in [length_batches(p.samples, lengths, batch_tokens)] for j, b in enumerate(bs)])
+
+    def start(item):
+        return None if item is None else (*item, _launch(backend, item[1], seqs, names, item[0]))
+    current, inflight = None, start(next(work, None))
+    try:
+        while inflight is not None:
+            piece, batch, last, wait = inflight
+            inflight = start(next(work, None))
+            outs = wait()
+            if current is None:
+                current = _PieceFill(piece, layout, pool)
+            current.add(batch, outs, seqs, lengths, names, fill)
+            bar.update(sum(lengths[i] for i in batch))
+            if last:
+                item, current = current.finish(lengths, names, keys), None
+                try:
+                    writer.put(item)
+                except BaseException:
+                    item[1].release()
+                    raise
+    finally:
+        if current is not None:  # shared memory outlives the process otherwise
+            for c in current.copies:
+                c.cancel()
+            fill.shutdown(wait=True)
+            current.bufs.release()
 
 
 def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> tuple[dict, bool]:

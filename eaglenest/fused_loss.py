@@ -2,39 +2,79 @@
 performance): for every step k, logits = h_k @ W^T chunk by chunk, soft cross-entropy against the
 teacher's distribution, and the gradients w.r.t. h_k and W computed right there (d CE / d logits
 = softmax - p, since p sums to 1). Backward only scales the stored gradients: no logits are kept
-and none recomputed. Numerically the same loss as `ttt.ttt_loss(fused=False)`."""
+and none recomputed. On CUDA the per-chunk softmax / CE / gradient is one compiled kernel pair
+instead of ~10 passes over fp32 [chunk, Vd] temporaries. Numerically the same loss as
+`ttt.ttt_loss(fused=False)`."""
 import torch
 import torch.nn.functional as F
+
+COMPILE_ON_CUDA = True  # benches switch it off to measure the lever
+_compiled = None
+
+
+def _chunk_ce(logits, p, top, w, need_grad: bool):
+    """logits [n, V] (compute dtype), p [n, V] fp32, top [n], w [n] -> CE [n], correct [n], dCE/dlogits * w."""
+    logp = F.log_softmax(logits.float(), -1)
+    ce = -(p * logp).sum(-1)
+    correct = (logp.argmax(-1) == top).float()
+    g = ((logp.exp() - p) * w[:, None]).to(logits.dtype) if need_grad else None
+    return ce, correct, g
+
+
+def _chunk_fn(device_type: str):
+    global _compiled
+    if device_type != "cuda" or not COMPILE_ON_CUDA:
+        return _chunk_ce
+    if _compiled is None:
+        _compiled = torch.compile(_chunk_ce)
+    return _compiled
+
+
+@torch.no_grad()
+def teacher_targets(final: torch.Tensor, head: torch.Tensor, K: int, chunk: int = 512):
+    """Teacher distribution over the draft vocabulary, softmax(final @ head^T) in fp32, and its
+    argmax, for the flattened rows of `final` [B, T, H], followed by K + 1 zero rows (so step k's
+    row r reads row r + 1 + k without bounds checks; those rows are masked anyway). Chunked: no
+    full fp32 logits next to the probabilities."""
+    rows = final.reshape(-1, final.shape[-1])
+    N, V = rows.shape[0], head.shape[0]
+    p = torch.zeros(N + K + 1, V, dtype=torch.float32, device=final.device)
+    top = torch.full((N + K + 1,), -1, dtype=torch.long, device=final.device)
+    for c0 in range(0, N, chunk):
+        c1 = min(N, c0 + chunk)
+        logits = rows[c0:c1] @ head.T.to(rows.dtype)
+        p[c0:c1] = torch.softmax(logits, -1, dtype=torch.float32)
+        top[c0:c1] = logits.argmax(-1)
+    return p, top
 
 
 class _StepsLinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, W, teacher, masks, scales, chunk, compute_dtype, *hs):
+    def forward(ctx, W, teacher_p, teacher_top, masks, scales, chunk, compute_dtype, *hs):
         N, K = hs[0].shape[0], len(hs)
         need_grad = any(ctx.needs_input_grad)  # evaluation: the loss only
         Wc = W.detach().to(compute_dtype)
         gW = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
-        teacher_p, teacher_top = torch.softmax(teacher, -1), teacher.argmax(-1)  # once for all steps
         loss = torch.zeros((), dtype=torch.float32, device=W.device)
         stats = torch.zeros(K, 3, dtype=torch.float32, device=W.device)
+        fn = _chunk_fn(W.device.type)
         grads = []
         for k, h in enumerate(hs):
-            gh = torch.empty_like(h)
+            gh = torch.empty(h.shape, dtype=compute_dtype, device=h.device)  # g @ Wc is in compute dtype anyway
             for c0 in range(0, N, chunk):
                 c1 = min(N, c0 + chunk)
                 hc = h[c0:c1].detach().to(compute_dtype)
-                logp = F.log_softmax((hc @ Wc.T).float(), -1)
-                p = teacher_p[c0 + 1 + k:c1 + 1 + k]        # row r predicts from row r + 1 + k
                 m = masks[k, c0:c1]
-                ce = -(p * logp).sum(-1)
                 w = m * scales[k]
+                # row r predicts from teacher row r + 1 + k
+                ce, correct, g = fn(hc @ Wc.T, teacher_p[c0 + 1 + k:c1 + 1 + k],
+                                    teacher_top[c0 + 1 + k:c1 + 1 + k], w, need_grad)
                 loss += (ce * w).sum()
                 stats[k, 0] += (ce * m).sum()
-                stats[k, 1] += ((logp.argmax(-1) == teacher_top[c0 + 1 + k:c1 + 1 + k]).float() * m).sum()
+                stats[k, 1] += (correct * m).sum()
                 stats[k, 2] += m.sum()
                 if need_grad:
-                    g = ((logp.exp_() - p) * w[:, None]).to(compute_dtype)
-                    gh[c0:c1] = (g @ Wc).to(h.dtype)
+                    gh[c0:c1] = g @ Wc
                     _accumulate(gW, g.T, hc)
             grads.append(gh)
         ctx.save_for_backward(gW, *grads)
@@ -45,7 +85,9 @@ class _StepsLinearSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gloss, _gstats):
         gW, *grads = ctx.saved_tensors
-        return ((gW * gloss).to(ctx.w_dtype), None, None, None, None, None, *[g * gloss.to(g.dtype) for g in grads])
+        gW = gW.mul_(gloss)  # in place: no second [Vd, H] fp32 buffer (backward runs once)
+        # autograd casts each h-gradient back to h's dtype
+        return (gW.to(ctx.w_dtype), None, None, None, None, None, None, *[g * gloss.to(g.dtype) for g in grads])
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -59,19 +101,18 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += (a @ b).float()
 
 
-def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher: torch.Tensor, masks: torch.Tensor,
-                         scales: list[float], chunk: int = 2048):
-    """hs: K step outputs [B, T, H] (after the final norm); W [Vd, H]; teacher logits [B, T, Vd];
-    masks [K, B, T]. Loss = sum_k scales[k] * sum_t masks[k, t] * CE(softmax(teacher[t+1+k]), h_k[t] W^T).
+def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher_p: torch.Tensor, teacher_top: torch.Tensor,
+                         masks: torch.Tensor, scales: list[float], chunk: int = 2048):
+    """hs: K step outputs [B, T, H] (after the final norm); W [Vd, H]; teacher_p / teacher_top from
+    `teacher_targets`; masks [K, B, T]. Loss = sum_k scales[k] * sum_t masks[k, t] * CE(p[t+1+k], h_k[t] W^T).
     Returns (loss, stats [K, 3] = per-step masked CE sum, correct top-1, mask count)."""
     B, T, H = hs[0].shape
     K = len(hs)
     # flattened rows: a row past its own sequence reads the next one, but its mask is zero there
-    flat_t = torch.cat([teacher.reshape(B * T, -1).float(),
-                        torch.zeros(K + 1, teacher.shape[-1], device=teacher.device)], 0)
     dev = W.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hs[0].dtype
     with torch.autocast(dev, enabled=False):
-        return _StepsLinearSoftCE.apply(W, flat_t, masks.reshape(K, B * T).float(),
-                                        torch.tensor(scales, dtype=torch.float32, device=W.device), chunk, dtype,
-                                        *[h.reshape(B * T, H) for h in hs])
+        # scales stay Python floats: a tensor built from them is a pageable host-to-device copy,
+        # which stalls the CPU until the GPU has drained the whole forward
+        return _StepsLinearSoftCE.apply(W, teacher_p, teacher_top, masks.reshape(K, B * T).float(),
+                                        tuple(float(x) for x in scales), chunk, dtype, *[h.reshape(B * T, H) for h in hs])

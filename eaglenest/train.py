@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class TrainConfig:
     ckpt_every: int = 50          # optimizer steps between checkpoints
     device: str = "auto"
     attention: str = "auto"       # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
+    compile: str = "auto"         # auto (on CUDA) | true | false: torch.compile around the attention kernel
 
 
 class FrozenEmbedding(torch.nn.Module):
@@ -109,6 +111,9 @@ class Trainer:
         self.model = model.to(self.device)
         attention = cfg.attention if cfg.attention != "auto" else ("flex" if self.device.type == "cuda" else "eager")
         self.model.set_attention(attention)
+        if cfg.compile is True or str(cfg.compile).lower() == "true" or (
+                str(cfg.compile) == "auto" and self.device.type == "cuda"):
+            self.model.compile_blocks()
         self.embed = FrozenEmbedding(heads["embed"]).to(self.device)
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model)
@@ -164,20 +169,29 @@ class Trainer:
     # --- steps ----------------------------------------------------------------------------------
     def _to_dev(self, b: dict) -> dict:
         # hidden states arrive as bf16; master math is fp32 (autocast, when on, picks bf16 kernels)
-        return {k: (v.float() if v.is_floating_point() else v).to(self.device, non_blocking=True) for k, v in b.items()}
+        return {k: (v.to(self.device, non_blocking=True).float() if v.is_floating_point() else
+                    v.to(self.device, non_blocking=True)) for k, v in b.items()}
 
-    def train_step(self, micro: list[list[int]]) -> torch.Tensor:
+    def load_step(self, micro: list[list[int]]) -> tuple[list, list[dict]]:
+        """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's
+        global mask counts): `fit` runs it for the next step while the GPU computes this one."""
         denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
-        mine = micro[self.rank::self.world]
+        batches = [collate(self.train_split, mb) for mb in micro[self.rank::self.world]]
+        if self.device.type == "cuda":
+            batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+        return denom, batches
+
+    def train_step(self, micro: list[list[int]], loaded: tuple | None = None) -> torch.Tensor:
+        denom, batches = loaded or self.load_step(micro)
         stats = torch.zeros(self.K, 3, device=self.device)
         self.opt.zero_grad(set_to_none=True)
-        for j, mb in enumerate(mine):
-            sync = j == len(mine) - 1
+        for j, b in enumerate(batches):
+            sync = j == len(batches) - 1
             ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
             with ctx:
                 with self.autocast:
-                    loss, st = ttt_loss(self.ddp, self._to_dev(collate(self.train_split, mb)), self.embed,
-                                        self.head_sel, self.K, denom, self.cfg.decay)
+                    loss, st = ttt_loss(self.ddp, self._to_dev(b), self.embed, self.head_sel, self.K, denom,
+                                        self.cfg.decay)
                 (loss * self.world).backward()  # DDP averages over ranks; the loss is a global sum
             stats += st.float()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -203,17 +217,28 @@ class Trainer:
     def fit(self, on_epoch=None, stop_after_steps: int | None = None, progress: bool = True) -> dict:
         from tqdm import tqdm
         self.maybe_resume()
-        t0, tokens = time.time(), 0
         bar = tqdm(total=self.total_steps, initial=self.state["global_step"], unit="step", desc="train",
                    disable=not progress or self.rank != 0)
+        loader = ThreadPoolExecutor(1, thread_name_prefix="batch-loader")  # the next step's batches
+        try:
+            return self._fit(on_epoch, stop_after_steps, bar, loader)
+        finally:
+            loader.shutdown(wait=True, cancel_futures=True)
+
+    def _fit(self, on_epoch, stop_after_steps, bar, loader) -> dict:
+        t0, tokens = time.time(), 0
         while self.state["epoch"] < self.cfg.epochs:
             ep = self.state["epoch"]
             batches = epoch_batches(self.train_split, ep, self.cfg.seed, self.cfg.batch_tokens)
             M = self.cfg.micro_batches  # an incomplete tail step is dropped: every world size sees the same steps
             steps = [batches[i:i + M] for i in range(0, len(batches) - M + 1, M)]
             ep_stats = torch.zeros(self.K, 3, device=self.device)
-            for s in range(self.state["step_in_epoch"], len(steps)):
-                st = self.train_step(steps[s])
+            first = self.state["step_in_epoch"]
+            nxt = loader.submit(self.load_step, steps[first]) if first < len(steps) else None
+            for s in range(first, len(steps)):
+                loaded = nxt.result()
+                nxt = loader.submit(self.load_step, steps[s + 1]) if s + 1 < len(steps) else None
+                st = self.train_step(steps[s], loaded)
                 ep_stats += st
                 tokens += sum(self.train_split.length(i) for mb in steps[s] for i in mb)
                 loss = float(sum((self.cfg.decay ** k) * st[k, 0] / max(1.0, float(st[k, 2])) for k in range(self.K)))

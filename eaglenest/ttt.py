@@ -8,7 +8,7 @@ positions whose teacher argmax lies in the draft vocabulary count. Loss = sum_k 
 import torch
 
 from .drafter import shift_left as shift, soft_ce
-from .fused_loss import steps_linear_soft_ce
+from .fused_loss import steps_linear_soft_ce, teacher_targets
 
 
 def step_masks(batch: dict, K: int) -> list[torch.Tensor]:
@@ -23,14 +23,14 @@ def ttt_loss(drafter, batch: dict, embed, head_sel: torch.Tensor, K: int, denomi
     Returns (loss, stats) with per-step sums of CE, correct top-1 and mask. fused=True computes the
     same loss through `fused_loss` (no full-vocabulary logits kept); False is the plain reference."""
     masks = step_masks(batch, K)
-    with torch.no_grad():
-        teacher_logits = (batch["final"] @ head_sel.T.to(batch["final"].dtype)).float()
     if fused:
+        teacher_p, teacher_top = teacher_targets(batch["final"], head_sel, K)
         hs = drafter(batch["aux"], batch["input_ids"], embed, K, logits=False)
         head = getattr(drafter, "module", drafter).lm_head.weight  # through a DDP wrapper too
-        return steps_linear_soft_ce(hs, head, teacher_logits, torch.stack(masks),
+        return steps_linear_soft_ce(hs, head, teacher_p, teacher_top, torch.stack(masks),
                                     [decay ** k / max(denominators[k], 1.0) for k in range(K)])
     with torch.no_grad():
+        teacher_logits = (batch["final"] @ head_sel.T.to(batch["final"].dtype)).float()
         teacher_p = torch.softmax(teacher_logits, -1)
         teacher_top = teacher_logits.argmax(-1)
     loss, stats = 0.0, []

@@ -113,3 +113,49 @@ def test_vocab_mapping():
     assert sel.tolist() == [0, 1, 3, 7, 11, 40] and (np.arange(6) + d2t == sel).all() and t2d.sum() == 6
     with pytest.raises(ValueError):
         build_vocab(counts, 51)
+
+
+def _loss_batch(B=2, T=24, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"aux": torch.randn(B, T, 3, 64, generator=g), "final": torch.randn(B, T, 64, generator=g),
+            "input_ids": torch.randint(0, 300, (B, T), generator=g),
+            "loss_mask": (torch.rand(B, T, generator=g) > 0.2).long(),
+            "in_vocab": (torch.rand(B, T, generator=g) > 0.1).long()}
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_loss_head_equals_plain_loss(autocast):
+    """The fused head (gradients formed in the forward, chunked, teacher in one padded buffer) gives
+    the plain loss, stats and gradients: fp32 exactly up to summation order; bf16 autocast within bf16."""
+    from eaglenest.ttt import ttt_loss
+    batch, emb = _loss_batch(), torch.nn.Embedding(300, 64)
+    head = torch.randn(40, 64) * 0.3
+    results = []
+    for fused in (False, True):
+        d = make_drafter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, stats = ttt_loss(d, batch, emb, head, 4, [30.0, 29.0, 28.0, 27.0], fused=fused)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters()}))
+    (l0, s0, g0), (l1, s1, g1) = results
+    tol = 2e-2 if autocast else 1e-5
+    assert torch.allclose(l0, l1, rtol=tol), (l0, l1)
+    assert torch.allclose(s0[:, 2], s1[:, 2]) and torch.allclose(s0[:, 0], s1[:, 0], rtol=tol)
+    assert (s0[:, 1] - s1[:, 1]).abs().max() <= (2 if autocast else 0)  # argmax ties may flip in bf16
+    for n in g0:
+        rel = (g0[n] - g1[n]).norm() / g0[n].norm()
+        assert rel < (3e-2 if autocast else 1e-5), (n, rel)
+
+
+def test_flex_ttt_attention_forward_equals_eager():
+    """The FlexAttention TTT mask (CPU: the unfused reference path) attends exactly where the eager
+    step does: causal step-0 keys plus each cell's own diagonal keys."""
+    d = make_drafter().float()
+    aux, ids = torch.randn(2, 16, 3, 64), torch.randint(0, 300, (2, 16))
+    emb = torch.nn.Embedding(300, 64)
+    with torch.no_grad():
+        eager = d(aux, ids, emb, 4)
+        d.set_attention("flex")
+        flex = d(aux, ids, emb, 4)
+    for k, (a, b) in enumerate(zip(eager, flex)):
+        assert torch.allclose(a, b, atol=1e-4), (k, (a - b).abs().max())

@@ -60,25 +60,25 @@ class OffByOneTap(HFBackend):
 
 class PreNormFinal(HFBackend):
     """Stores the last layer's output BEFORE the final norm as `final`."""
-    def extract(self, batch):
+    def extract_async(self, batch):
         if self.decoder is None:
             self._load()
         grabbed = {}
         h = self.decoder.norm.register_forward_pre_hook(lambda _m, a: grabbed.setdefault("x", a[0]))
         try:
-            outs = super().extract(batch)
+            wait = super().extract_async(batch)
         finally:
             h.remove()
         pre = grabbed["x"].to(torch.bfloat16).cpu()
-        return [(a, pre[b, :len(x)]) for b, ((a, _), x) in enumerate(zip(outs, batch))]
+        return lambda: [(a, pre[b, :len(x)]) for b, ((a, _), x) in enumerate(zip(wait(), batch))]
 
 
 class DroppedFirstPosition(HFBackend):
     """Loses the first position and shifts the rest forward (padding the end), as a capture that
     misses the first token would."""
-    def extract(self, batch):
-        outs = super().extract(batch)
-        return [(torch.cat([a[1:], a[-1:]]), torch.cat([f[1:], f[-1:]])) for a, f in outs]
+    def extract_async(self, batch):
+        wait = super().extract_async(batch)
+        return lambda: [(torch.cat([a[1:], a[-1:]]), torch.cat([f[1:], f[-1:]])) for a, f in wait()]
 
 
 @pytest.mark.parametrize("defect, tap", [(OffByOneTap, "aux_"), (PreNormFinal, "final"),

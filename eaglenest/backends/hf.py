@@ -41,8 +41,14 @@ class HFBackend:
     def close(self) -> None:
         self.decoder = None
 
-    @torch.inference_mode()
     def extract(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.extract_async(batch)()
+
+    @torch.inference_mode()
+    def extract_async(self, batch: list[np.ndarray]):
+        """Launch the forward and the copies to pinned host memory; returns a callable that waits
+        for them and gives [(aux [n, A, H], final [n, H]) bf16 CPU] per sample. On CUDA the caller
+        can launch the next batch first, so the GPU never idles while the host copies."""
         if self.decoder is None:
             self._load()
         lengths = [len(x) for x in batch]
@@ -57,8 +63,15 @@ class HFBackend:
         # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
         aux = torch.stack([out.hidden_states[j] for j in self.taps], dim=2).to(torch.bfloat16)
         final = out.last_hidden_state.to(torch.bfloat16)
+        done = None
         if aux.is_cuda:  # pinned buffers: a fast DMA copy instead of a staged pageable one
             aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True).copy_(aux, non_blocking=True)
             final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True).copy_(final, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-        return [(aux[b, :n], final[b, :n]) for b, n in enumerate(lengths)]
+            done = torch.cuda.Event()
+            done.record()
+
+        def wait():
+            if done is not None:
+                done.synchronize()
+            return [(aux[b, :n], final[b, :n]) for b, n in enumerate(lengths)]
+        return wait
