@@ -253,6 +253,8 @@ def bench_training(res, args):
     for attention, fused, comp, kernel in variants:
         name = (f"train_{attention}_{'fusedloss' if fused else 'plainloss'}{'_kernel' if kernel else ''}"
                 f"{'_compiled' if comp else ''}")
+        if args.only and name not in args.only:
+            continue
         try:
             res[name] = train_variant(dcfg, attention, fused, comp, kernel,
                                       profile=args.profile and (attention, fused, kernel) == ("flex", True, True))
@@ -330,6 +332,7 @@ def main():
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also the torch.compile'd target (~2 min to compile)")
+    ap.add_argument("--only", nargs="*", help="training variants to run, by result name (default: all)")
     ap.add_argument("--profile", action="store_true", help="GPU kernel-time breakdown of the default training step")
     args = ap.parse_args()
     from eaglenest.errors import setup_logging

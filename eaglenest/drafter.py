@@ -155,9 +155,10 @@ class Eagle3Attention(nn.Module):
         return out
 
 
-def _cast_once(t: torch.Tensor) -> torch.Tensor:
-    """The autocast dtype, once: the projections that share this input then share one saved copy
-    (autocast would cast, and autograd save, a copy per projection)."""
+def _autocast_dtype(t: torch.Tensor) -> torch.Tensor:
+    """t in the autocast dtype (when autocast is on). Only for WEIGHTS: an activation cast once and
+    shared by several projections would sum their input gradients in bf16 (1 % off in tests);
+    autocast's per-projection casts sum them in fp32."""
     dev = t.device.type
     return t.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else t
 
@@ -184,7 +185,7 @@ class Eagle3Layer(nn.Module):
         """This layer's weights by name, the Linear ones in the autocast dtype: cast ONCE per TTT
         unroll, so the K steps (and the compiled halves) share one saved copy and add their
         gradients in that dtype, as autocast's weight cache does in eager mode."""
-        return {n: (_cast_once(p) if p.dim() == 2 else p) for n, p in self.named_parameters()}
+        return {n: (_autocast_dtype(p) if p.dim() == 2 else p) for n, p in self.named_parameters()}
 
     def forward(self, x, emb, cos, sin, cache, q_offset, w: dict | None = None):
         w = self.weights() if w is None else w
@@ -195,11 +196,11 @@ class Eagle3Layer(nn.Module):
     def qkv(self, x, emb, cos, sin, w: dict):
         eps = self.hidden_norm.variance_epsilon
         u = torch.cat([rms_norm(emb, w["input_layernorm.weight"], eps), rms_norm(x, w["hidden_norm.weight"], eps)], -1)
-        return self.self_attn.project(_cast_once(u), cos, sin, w)
+        return self.self_attn.project(u, cos, sin, w)
 
     def out(self, x, a, w: dict):
         h = x + self.self_attn.output(a, w)
-        m = _cast_once(rms_norm(h, w["post_attention_layernorm.weight"], self.post_attention_layernorm.variance_epsilon))
+        m = rms_norm(h, w["post_attention_layernorm.weight"], self.post_attention_layernorm.variance_epsilon)
         act = self.mlp.act_fn(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"])
         return h + F.linear(act, w["mlp.down_proj.weight"])
 

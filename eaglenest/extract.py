@@ -318,7 +318,7 @@ def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_toke
                     item[1].release()
                     raise
     finally:
-        if current is not None:  # shared memory outlives the process otherwise
+        if current is not None:  # stop its copies before the pool frees the buffers
             for c in current.copies:
                 c.cancel()
             fill.shutdown(wait=True)

@@ -130,6 +130,13 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
         store = HiddenStore(tmp_path / f"w{writers}")
         assert verify_store(store.path, progress=False) == []
         index[writers] = [(r["key"], r["digest"], r["start"]) for r in store.index]
+        # pieces reuse pooled buffers: every row no sample owns must hold the fill values, not a
+        # previous piece's states
+        free = np.ones(store.input_ids.shape[0], dtype=bool)
+        for r in store.index:
+            free[r["start"]:r["start"] + r["length"]] = False
+        assert free.any() and (store.input_ids[:][free] == -1).all()
+        assert not store.aux[:][free].any() and not store.final[:][free].any()
     assert index[1] == index[3] and HiddenStore(tmp_path / "w3").attrs["layout"]["shard_tokens"] < 200
     assert set(os.listdir("/dev/shm")) - before == set()
 

@@ -123,3 +123,36 @@ def test_verify_cli_ok_exit_zero(tiny_target, tmp_path):
     out, *_ = extract_tiny(tiny_target, tmp_path)
     p = run_py(["-m", "eaglenest.cli", "verify", "-q", str(out)], cwd=REPO)
     assert p.returncode == 0 and "OK" in p.stdout
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, codec):
+    """Pieces are encoded without zarr (piece_io); the files must be exactly what zarr writes for
+    the array metadata it created: same chunk bytes, crc32c, index, left-out fill chunks, no file
+    for an all-fill shard."""
+    import zarr
+
+    from eaglenest.piece_io import shard_files, write_piece
+    from eaglenest.store import Layout, create_arrays
+    layout = Layout(hidden=16, n_aux=3, chunk_tokens=16, shard_tokens=64, codec=codec, level=1)
+    ours, ref = tmp_path / "ours", tmp_path / "zarr"
+    for d in (ours, ref):
+        create_arrays(zarr.open_group(str(d), mode="w"), layout, 3)
+    rng = np.random.default_rng(0)
+    for piece, used in ((0, 40), (1, 64), (2, 5)):  # padding chunks, a full shard, an all-fill aux shard
+        ids = np.full(64, -1, np.int32)
+        aux, final = np.zeros((64, 3, 16), np.uint16), np.zeros((64, 16), np.uint16)
+        ids[:used] = rng.integers(0, 1000, used)
+        final[:used] = rng.integers(0, 65535, (used, 16))
+        if piece != 2:
+            aux[:used] = rng.integers(0, 65535, (used, 3, 16))
+        g = zarr.open_group(str(ref), mode="r+")
+        sl = slice(piece * 64, piece * 64 + 64)
+        g["input_ids"][sl], g["aux"][sl], g["final"][sl] = ids, aux, final
+        write_piece(ours, piece, layout, ids, aux, final, [])
+        for a, b in zip(shard_files(ours, piece), shard_files(ref, piece)):
+            assert a.exists() == b.exists(), a
+            assert not a.exists() or a.read_bytes() == b.read_bytes(), a
+        g = zarr.open_group(str(ours), mode="r")
+        assert (g["input_ids"][sl] == ids).all() and (g["aux"][sl] == aux).all() and (g["final"][sl] == final).all()
+    assert not shard_files(ours, 2)[0].exists()  # all-fill aux shard: no file, as zarr does
