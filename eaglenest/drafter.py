@@ -176,7 +176,7 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         lc = c.llama_config()
         self.self_attn = Eagle3Attention(c)
-        self.mlp = LlamaMLP(lc)
+        self.mlp = LlamaMLP(lc)  # its weights and act_fn; `out` does the arithmetic on `weights()`
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .drafter import DrafterConfig, Eagle3Drafter
 from .errors import EaglenestError
-from .hashing import sha256_text
+from .hashing import sha256_file, sha256_text
 from .packed import PackedSplit, collate, epoch_batches, load_vocab
 from .target import Target, load_heads
 from .ttt import ttt_loss
@@ -58,6 +58,15 @@ class FrozenEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.weight).float()
+
+
+TRAINING_CODE = ("train.py", "ttt.py", "fused_loss.py", "drafter.py", "ttt_attention.py", "packed.py")
+
+
+def training_code_digest() -> str:
+    """sha256 over the modules that define the training arithmetic (the train stage's code deps)."""
+    here = Path(__file__).parent
+    return sha256_text(*(sha256_file(here / f) for f in TRAINING_CODE))
 
 
 def simulated_acceptance(acc: list[float]) -> float:
@@ -133,8 +142,11 @@ class Trainer:
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (
             self.device.type == "cuda" or torch.backends.mkldnn.is_available()))
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+        # the training code is part of the key: a checkpoint written by other code (a DVC rerun
+        # after a code change) is never resumed as if it were this run
         self.key = sha256_text(json.dumps(asdict(cfg), sort_keys=True), man["target_fingerprint"],
-                               json.dumps(man["shards"], sort_keys=True), str(self.world))[:16]
+                               json.dumps(man["shards"], sort_keys=True), str(self.world),
+                               training_code_digest())[:16]
         self.state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [], "epochs": []}
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -154,6 +166,10 @@ class Trainer:
 
     def maybe_resume(self) -> bool:
         if not self.ckpt_path.is_file():
+            others = sorted(p.name for p in self.ckpt_dir.glob("last-*.pt")) if self.ckpt_dir.is_dir() else []
+            if others and self.rank == 0:
+                log.info("not resuming %s (other config, data or training code); delete to free disk: %s",
+                         ", ".join(others), self.ckpt_dir)
             return False
         ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
         self.model.load_state_dict(ck["model"])

@@ -110,3 +110,20 @@ def test_speculative_decoding_is_lossless(tiny_target, tiny_fp32, seed):
                                 draft_fn=oracle_drafter(g.tokens, len(prompt), rng))
         assert s2.tokens == g.tokens and max(s2.accepted) >= 1
         assert s2.target_forwards < g.target_forwards or len(g.tokens) <= 2
+
+
+def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_path, monkeypatch):
+    """DVC reruns train after a code change; a finished checkpoint of the old code must not be
+    'resumed' (it would export the old drafter as the new one)."""
+    from eaglenest import train as T
+    from eaglenest.target import load_target
+
+    def trainer():
+        cfg = T.TrainConfig(**train_params())
+        return T.Trainer(tiny_packed / "data/packed", load_target(tiny_packed / "data/target"), cfg, tmp_path)
+    a = trainer()
+    a.fit(stop_after_steps=2, progress=False)
+    assert trainer().maybe_resume()  # same code: resumes
+    monkeypatch.setattr(T, "training_code_digest", lambda: "edited")
+    b = trainer()
+    assert not b.maybe_resume() and b.state["global_step"] == 0
