@@ -307,14 +307,10 @@ def bench_trainer(res, target, steps: int = 40):
                  OUT / "ckpt")
     plan = [[[i]] for i in range(len(tr.train_split))][:steps + 3]
     with ThreadPoolExecutor(1) as loader:
-        nxt = loader.submit(tr.load_step, plan[0])
-        for s, micro in enumerate(plan):
+        for s, (micro, loaded) in enumerate(tr.prefetched(plan, loader)):
             if s == 3:
                 torch.cuda.synchronize()
                 t = time.time()
-            loaded = nxt.result()
-            if s + 1 < len(plan):
-                nxt = loader.submit(tr.load_step, plan[s + 1])
             float(tr.train_step(micro, loaded)[0, 0])  # fit reads the loss back every step
     dt = time.time() - t
     # tokens/s only: this process still holds earlier benches' allocations, so no clean peak here

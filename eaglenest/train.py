@@ -120,8 +120,10 @@ class Trainer:
         self.model = model.to(self.device)
         attention = cfg.attention if cfg.attention != "auto" else ("flex" if self.device.type == "cuda" else "eager")
         self.model.set_attention(attention)
-        if cfg.compile is True or str(cfg.compile).lower() == "true" or (
-                str(cfg.compile) == "auto" and self.device.type == "cuda"):
+        compile_on = {"auto": self.device.type == "cuda", "true": True, "false": False}.get(str(cfg.compile).lower())
+        if compile_on is None:
+            raise EaglenestError(f"train.compile must be auto, true or false, got {cfg.compile!r}")
+        if compile_on:
             self.model.compile_blocks()
         self.embed = FrozenEmbedding(heads["embed"]).to(self.device)
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
@@ -197,6 +199,15 @@ class Trainer:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return denom, batches
 
+    def prefetched(self, steps: list, loader: ThreadPoolExecutor):
+        """(micro, loaded) per step; the next step's `load_step` runs in `loader` meanwhile."""
+        nxt = loader.submit(self.load_step, steps[0]) if steps else None
+        for s, micro in enumerate(steps):
+            loaded = nxt.result()
+            if s + 1 < len(steps):
+                nxt = loader.submit(self.load_step, steps[s + 1])
+            yield micro, loaded
+
     def train_step(self, micro: list[list[int]], loaded: tuple | None = None) -> torch.Tensor:
         denom, batches = loaded or self.load_step(micro)
         stats = torch.zeros(self.K, 3, device=self.device)
@@ -250,13 +261,10 @@ class Trainer:
             steps = [batches[i:i + M] for i in range(0, len(batches) - M + 1, M)]
             ep_stats = torch.zeros(self.K, 3, device=self.device)
             first = self.state["step_in_epoch"]
-            nxt = loader.submit(self.load_step, steps[first]) if first < len(steps) else None
-            for s in range(first, len(steps)):
-                loaded = nxt.result()
-                nxt = loader.submit(self.load_step, steps[s + 1]) if s + 1 < len(steps) else None
-                st = self.train_step(steps[s], loaded)
+            for s, (micro, loaded) in enumerate(self.prefetched(steps[first:], loader), start=first):
+                st = self.train_step(micro, loaded)
                 ep_stats += st
-                tokens += sum(self.train_split.length(i) for mb in steps[s] for i in mb)
+                tokens += sum(self.train_split.length(i) for mb in micro for i in mb)
                 loss = float(sum((self.cfg.decay ** k) * st[k, 0] / max(1.0, float(st[k, 2])) for k in range(self.K)))
                 self.state["history"].append({"step": self.state["global_step"], "loss": loss,
                                               "lr": self.sched.get_last_lr()[0]})
