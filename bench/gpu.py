@@ -4,11 +4,13 @@ on the same GPU, against a bf16 matmul peak measured in the same run.
     python -m bench.gpu [--layers 32] [--samples 96] [--skip-extract] [--skip-train]
 
 1. Extraction, hf backend, a Llama-3.1-8B-shaped target with random bf16 weights (built from a
-   config, saved and loaded back): forward only (decoder, output_hidden_states, 4 x 2048), plain
-   and torch.compile'd; the host path alone (pinned D2H + fill + digest + shard encode + write +
-   fsync, fed from GPU tensors with no model); end to end through `extract_part`, codec none and
-   zstd, plain and compiled. MFU = 2 x non-embedding params x tokens / time / peak (the decoder
-   only: extraction never computes the lm_head).
+   config, saved and loaded back): forward only (decoder, output_hidden_states, 4 x 2048, no
+   padding mask as extract runs it; also with an all-ones mask), eager and with the norm/MLP
+   modules compiled (`extract.hf.compile`, the CUDA default); the host path alone (pinned D2H +
+   fill + digest + shard encode + write + fsync, fed from GPU tensors with no model); end to end
+   through `extract_part`, codec none and zstd, eager and compiled, each with its `host_path`
+   report (where the loop waited, what the writers spent). MFU = 2 x non-embedding params x
+   tokens / time / peak (the decoder only: extraction never computes the lm_head).
 2. Drafter training step at 8B shapes (H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab
    32000, TTT 7, seq 2048, bf16 autocast, fp32 master weights, fused AdamW, grad clip), one lever
    at a time: eager attention + plain loss (the old step), flex attention + fused loss (its chunk
@@ -115,8 +117,7 @@ def bench_extraction(res, args, peak):
     pq.write_table(pa.table({"id": [f"s{i}" for i in range(len(seqs))], "input_ids": seqs,
                              "loss_mask": [[1] * T] * len(seqs), "n_tokens": [T] * len(seqs)}, schema=SCHEMA),
                    OUT / "tok.parquet")
-    ids = torch.randint(3, 128000, (args.batch_tokens // T, T), device="cuda")
-    mask = torch.ones_like(ids)  # as extract passes it: the compiled graph is the one end to end runs
+    ids = torch.randint(3, 128000, (args.batch_tokens // T, T), device="cuda")  # no mask, as extract runs it
     for compiled in (False, True) if args.compile else (False,):
         be = HFBackend(target, taps, device="cuda", compile=compiled)
         be._load()
@@ -124,20 +125,28 @@ def bench_extraction(res, args, peak):
         tag = "compiled" if compiled else "plain"
         t = time.time()
         with torch.inference_mode():
-            be.decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)  # compiles
+            be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)  # compiles
         res[f"forward_{tag}_first_call_s"] = round(time.time() - t, 1)
         with torch.inference_mode():
-            fwd = cuda_time(lambda: be.decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True,
-                                               use_cache=False), reps=5)
+            def forward():
+                return be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
+            fwd = cuda_time(forward, reps=5)
+            masked = cuda_time(lambda: be.decoder(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                  output_hidden_states=True, use_cache=False), reps=3)
+            prof = kernel_profile(forward) if args.profile else None
         res[f"forward_only_{tag}"] = {"tok_s": round(ids.numel() / fwd, 1),
-                                      "mfu": round(2 * n_params * ids.numel() / fwd / peak, 3)}
+                                      "mfu": round(2 * n_params * ids.numel() / fwd / peak, 3),
+                                      "with_padding_mask_tok_s": round(ids.numel() / masked, 1),
+                                      **({"profile": prof} if prof else {})}
         log(res)
-        runs = [("none", be), ("zstd", be)] if not compiled else [("zstd", be)]
+        runs = [("none", be), ("zstd", be)]
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
             runs = [("none", host), ("zstd", host)] + runs
         for codec, backend in runs:
             name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + f"_{codec}"
+            if args.only and name not in args.only:
+                continue
             m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
                              dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=1, shard_mb=256, codec=codec,
                                                                            level=1),
@@ -150,7 +159,7 @@ def bench_extraction(res, args, peak):
                              max_seq_len=T, progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
             res[name] = {"tok_s": m["tokens_per_s"], "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
                          "bytes_per_token": m["bytes_per_token"], "GB_written": round(m["stored_bytes"] / 1e9, 2),
-                         "gate_passed": m["validation"].get("passed")}
+                         "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"]}
             log(res)
             if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)
@@ -159,6 +168,10 @@ def bench_extraction(res, args, peak):
                 shutil.move(str(OUT / f"store-{name}"), str(OUT / "hidden" / name))
                 shutil.copy(OUT / "tok.parquet", OUT / "tokenized" / f"{name}.parquet")
             shutil.rmtree(OUT / f"store-{name}", ignore_errors=True)
+        if compiled:
+            from torch._dynamo.utils import counters
+            res["compile_stats"] = dict(counters["stats"])  # unique graphs: a recompile storm shows here
+            log(res)
         del be
         torch.cuda.empty_cache()
     return target
@@ -235,6 +248,7 @@ def kernel_profile(fn) -> dict:
         n = e.key.lower()
         f = ("gemm" if any(x in n for x in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")) else
              "flex_attention" if "flex" in n or "triton_tem" in n else
+             "sdpa attention" if any(x in n for x in ("flash", "fmha", "efficient_attention")) else
              "triton (compiled)" if "triton" in n else "elementwise/other")
         fam[f] = fam.get(f, 0) + us
         rows.append((us, e.count, e.key[:90]))
@@ -322,14 +336,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--samples", type=int, default=96)
-    ap.add_argument("--writers", type=int, default=6)
+    ap.add_argument("--writers", type=int, help="writer processes (default: extract's auto, cores/2 up to 8)")
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads in this process (host-path contention)")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="extraction batch (multiple of 2048)")
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="also the torch.compile'd target (~2 min to compile)")
-    ap.add_argument("--only", nargs="*", help="training variants to run, by result name (default: all)")
-    ap.add_argument("--profile", action="store_true", help="GPU kernel-time breakdown of the default training step")
+    ap.add_argument("--compile", action="store_true",
+                    help="also the compiled target (norm + MLP modules, extract's CUDA default)")
+    ap.add_argument("--skip-loader", action="store_true", help="no pack + loader + Trainer-on-shards figures")
+    ap.add_argument("--only", nargs="*", help="training variants / extraction runs to run, by result name "
+                                              "(default: all)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU kernel-time breakdown of the default training step and of one extraction forward")
     args = ap.parse_args()
     from eaglenest.errors import setup_logging
     setup_logging()
@@ -345,7 +363,8 @@ def main():
         bench_training(res, args)
     if not args.skip_extract:
         target = bench_extraction(res, args, peak)
-        bench_loader(res, target)
+        if not args.skip_loader:
+            bench_loader(res, target)
     res["matmul_peak_tflops_end"] = round(matmul_peak() / 1e12, 1)
     log(res)
 

@@ -6,6 +6,7 @@ background writer (`piece_io`: temp name, fsync, rename), then its manifest is w
 (temp + fsync + rename). A manifest commits a piece; a restart keeps committed pieces and
 extracts only the rest. After the validation gate passes, the index is written and the store
 is renamed into the output in one step; a failed gate commits nothing."""
+import concurrent.futures
 import json
 import logging
 import os
@@ -78,9 +79,14 @@ class PieceWriter:
 
     def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool = False):
         self.work, self.layout = work, layout
-        self.q: queue.Queue = queue.Queue(maxsize=workers)
+        # pieces waiting beyond those being written: absorbs a disk's fsync stalls without stalling
+        # the GPU (each holds one pooled piece buffer)
+        self.q: queue.Queue = queue.Queue(maxsize=2 * workers)
         self.error: BaseException | None = None
         self.bytes_written = 0
+        # seconds summed over pieces (writers run in parallel): where the store path spends its time
+        self.seconds = {"wait_fill_s": 0.0, "fill_s": 0.0, "digest_s": 0.0, "encode_s": 0.0, "write_s": 0.0,
+                        "piece_s": 0.0}
         self.lock = threading.Lock()
         self.pool = None
         if processes:
@@ -97,7 +103,7 @@ class PieceWriter:
     def shared(self) -> bool:
         return self.pool is not None
 
-    def put(self, item) -> None:
+    def put(self, item: "_PieceFill") -> None:
         while True:
             if self.error is not None:
                 raise self.error
@@ -108,8 +114,10 @@ class PieceWriter:
                 continue
 
     def close(self) -> None:
+        """Waits for every queued piece (after an error they are skipped, their copies settled), so
+        no buffer is freed under a running copy; then raises the first error."""
         for _ in self.threads:
-            self.put(None)
+            self.q.put(None)  # the threads keep draining the queue, error or not
         for t in self.threads:
             t.join()
         if self.pool is not None:
@@ -118,23 +126,33 @@ class PieceWriter:
             raise self.error
 
     def _run(self) -> None:
-        while (item := self.q.get()) is not None:
-            index, bufs, rows = item
+        while (piece := self.q.get()) is not None:
+            bufs, index = piece.bufs, piece.piece.index
             try:
                 if self.error is not None:
                     continue
+                t = time.perf_counter()
+                rows, fill_s = piece.finish()  # its copies, then the padding tail
+                with self.lock:
+                    self.seconds["wait_fill_s"] += time.perf_counter() - t
+                    self.seconds["fill_s"] += fill_s
+                t = time.perf_counter()
                 if self.pool is not None:
-                    digests, written = self.pool.submit(write_piece_shared, str(self.work.store), index, self.layout,
-                                                        bufs.spec, rows).result()
+                    digests, written, phases = self.pool.submit(write_piece_shared, str(self.work.store), index,
+                                                                self.layout, bufs.spec, rows).result()
                 else:
                     a = bufs.arrays
-                    digests, written = write_piece(self.work.store, index, self.layout, a["ids"], a["aux"], a["final"],
-                                                   rows)
+                    digests, written, phases = write_piece(self.work.store, index, self.layout, a["ids"], a["aux"],
+                                                           a["final"], rows)
                 for r, d in zip(rows, digests):  # the digest of the exact bytes stored
                     r["digest"] = d
                 self.work.commit_piece(index, rows)
+                phases["piece_s"] = time.perf_counter() - t  # incl. the hand-over and the manifest
+                phases["fill_s"] = phases["wait_fill_s"] = 0.0  # counted above
                 with self.lock:
                     self.bytes_written += written
+                    for k, v in phases.items():
+                        self.seconds[k] += v
             except OSError as e:
                 self.error = EaglenestError(
                     f"writing piece {index} of part {self.work.part} under {self.work.path} failed: {e} "
@@ -142,6 +160,7 @@ class PieceWriter:
             except BaseException as e:  # noqa: BLE001 - surfaced to the main thread
                 self.error = e
             finally:
+                piece.settle()  # an error path may leave copies running
                 bufs.release()
 
 
@@ -190,20 +209,25 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     keys = [sample_key(target.fingerprint, efp, s.tobytes()) for s in seqs]
 
     todo_tokens = sum(lengths[i] for p in pending for i in p.samples)
-    writers = writers or max(1, min(6, (os.cpu_count() or 2) // 3))
+    # half the cores, at most 8: a GPU host's 16 cores write ~1.7 GB/s of zstd-1 shards with 8
+    # (bench.host_path); the other half run the loop, the fill copies and the backend
+    writers = writers or max(1, min(8, (os.cpu_count() or 2) // 2))
     writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
     pool = BufferPool(layout.shard_tokens, layout.n_aux, layout.hidden, shared=writer.shared)
     t_compute = time.time()
     with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
               smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
         try:
-            _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool)
+            clock = _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer,
+                                pool)
+            t_drain = time.perf_counter()
         finally:
             try:
                 writer.close()
             finally:
                 pool.close()
     compute_s = time.time() - t_compute
+    host_path = _host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
 
     rows = [r for m in work.committed().values() for r in m["samples"]]
     if len(rows) != len(seqs):
@@ -222,7 +246,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
         "stored_bytes": stored_bytes, "bytes_per_token": round(stored_bytes / sum(lengths), 1),
         "compression_ratio": round(raw / max(1, stored_bytes), 3),
         "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
-        "extractor_fingerprint": efp, "validation": gate_metrics,
+        "extractor_fingerprint": efp, "host_path": host_path, "validation": gate_metrics,
     }
     if not passed:
         metrics["committed"] = False
@@ -230,6 +254,28 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     _finalize(work, out_dir)
     metrics["committed"] = True
     return metrics
+
+
+def _host_path_report(part: str, clock: dict, writer: PieceWriter, writers: int, drain_s: float,
+                      compute_s: float) -> dict:
+    """Where the extraction loop's time went, and which side bounds it: a loop that mostly waits on
+    the backend is compute-bound (as it should be); one that waits on the writers is store-bound."""
+    out = {k: round(v, 2) for k, v in {**clock, "drain_writers_s": drain_s}.items()}
+    out["writers"] = writers
+    out["writer_busy"] = {k: round(v, 2) for k, v in writer.seconds.items()}
+    out["writer_utilisation"] = round(writer.seconds["piece_s"] / max(1e-9, writers * compute_s), 3)
+    store_wait = clock["wait_writers_s"] + drain_s
+    backend_s = clock["wait_backend_s"] + clock["launch_s"]
+    out["bound_by"] = "store" if store_wait > 0.1 * compute_s else "backend"  # >10 %: writers hold it back
+    log.info("%s: host path: the loop spent %.1f s launching + waiting on the backend, %.1f s on the "
+             "writers (+%.1f s draining them); %d writers %.0f%% busy; summed over pieces: fill copies %.1f s, "
+             "digest %.1f s, encode %.1f s, write+fsync %.1f s -> %s-bound", part, backend_s, clock["wait_writers_s"], drain_s,
+             writers, 100 * out["writer_utilisation"], writer.seconds["fill_s"], writer.seconds["digest_s"],
+             writer.seconds["encode_s"], writer.seconds["write_s"], out["bound_by"])
+    if out["bound_by"] == "store":
+        log.warning("%s: the store path bounds extraction: more writers (extract.writers), store.codec none, "
+                    "or a faster disk under extract.work_dir", part)
+    return out
 
 
 class GateFailed(EaglenestError):
@@ -257,72 +303,89 @@ def _launch(backend, batch: list[int], seqs, names, piece: Piece):
 
 
 class _PieceFill:
-    """One piece's buffers being filled; the copies run in `fill` threads."""
+    """One piece's buffers being filled; the copies run in `fill` threads. `finish` (in a writer
+    thread, so the loop never waits on copies) awaits them and fills the padding tail."""
 
-    def __init__(self, piece: Piece, layout: Layout, pool: BufferPool):
-        self.piece, self.layout = piece, layout
+    def __init__(self, piece: Piece, layout: Layout, pool: BufferPool, lengths, names, keys):
+        self.piece, self.layout, self.lengths, self.names, self.keys = piece, layout, lengths, names, keys
         self.bufs = pool.get()
         self.start = dict(zip(piece.samples, piece.offsets))
         self.copies = []
 
-    def add(self, batch, outs, seqs, lengths, names, fill: ThreadPoolExecutor) -> None:
-        A, H = self.layout.n_aux, self.layout.hidden
+    def add(self, batch, outs, seqs, fill: ThreadPoolExecutor) -> None:
+        A, H, lengths = self.layout.n_aux, self.layout.hidden, self.lengths
         for i, (a, f) in zip(batch, outs):
             n = lengths[i]
             if a.shape != (n, A, H) or f.shape != (n, H):
                 raise EaglenestError(f"backend returned aux {tuple(a.shape)} / final {tuple(f.shape)} for sample "
-                                     f"{names[i]!r}; expected ({n}, {A}, {H}) / ({n}, {H})")
+                                     f"{self.names[i]!r}; expected ({n}, {A}, {H}) / ({n}, {H})")
         arr = self.bufs.arrays
 
         def copy_in(items):
+            t = time.perf_counter()
             for i, a, f in items:
                 o, n = self.start[i], lengths[i]
                 arr["ids"][o:o + n], arr["aux"][o:o + n], arr["final"][o:o + n] = seqs[i], to_bits(a), to_bits(f)
+            return time.perf_counter() - t
         self.copies.append(fill.submit(copy_in, [(i, a, f) for i, (a, f) in zip(batch, outs)]))
 
-    def finish(self, lengths, names, keys):
+    def settle(self) -> None:
+        """Every copy finished or cancelled: the buffers are no longer written."""
         for c in self.copies:
-            c.result()
-        p = self.piece
+            c.cancel()
+        concurrent.futures.wait(self.copies)
+
+    def finish(self) -> tuple[list[dict], float]:
+        """(the piece's rows, copy seconds) once every copy is in."""
+        concurrent.futures.wait(self.copies)
+        fill_s = sum(c.result() for c in self.copies)  # a failed copy raises here
+        p, lengths = self.piece, self.lengths
         self.bufs.pad_from(sum(lengths[i] for i in p.samples))  # samples sit back to back from row 0
         base = p.index * self.layout.shard_tokens
-        rows = [{"id": names[i], "key": keys[i], "start": base + self.start[i], "length": lengths[i],
+        rows = [{"id": self.names[i], "key": self.keys[i], "start": base + self.start[i], "length": lengths[i],
                  "piece": p.index} for i in p.samples]  # the writer adds each digest
-        return p.index, self.bufs, rows
+        return rows, fill_s
 
 
-def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool) -> None:
+def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool) -> dict:
     """Every batch of every pending piece through the backend, the next batch always launched
     before the current one's outputs are awaited, so the GPU never waits on the host; each
-    finished piece goes to the writer."""
+    filled piece goes to the writer (copies still running). Returns where this loop waited, in
+    seconds: on the backend (compute-bound) or on the writers (store-bound); launch_s = launching
+    batches (all of the compute for a backend without `extract_async`)."""
+    clock = {"launch_s": 0.0, "wait_backend_s": 0.0, "wait_writers_s": 0.0}
     work = iter([(p, b, j == len(bs) - 1) for p in pending
                  for bs in [length_batches(p.samples, lengths, batch_tokens)] for j, b in enumerate(bs)])
 
     def start(item):
-        return None if item is None else (*item, _launch(backend, item[1], seqs, names, item[0]))
+        if item is None:
+            return None
+        t = time.perf_counter()
+        launched = (*item, _launch(backend, item[1], seqs, names, item[0]))
+        clock["launch_s"] += time.perf_counter() - t  # a backend without extract_async computes here
+        return launched
     current, inflight = None, start(next(work, None))
     try:
         while inflight is not None:
             piece, batch, last, wait = inflight
             inflight = start(next(work, None))
+            t = time.perf_counter()
             outs = wait()
+            clock["wait_backend_s"] += time.perf_counter() - t
             if current is None:
-                current = _PieceFill(piece, layout, pool)
-            current.add(batch, outs, seqs, lengths, names, fill)
+                current = _PieceFill(piece, layout, pool, lengths, names, keys)
+            current.add(batch, outs, seqs, fill)
             bar.update(sum(lengths[i] for i in batch))
             if last:
-                item, current = current.finish(lengths, names, keys), None
-                try:
-                    writer.put(item)
-                except BaseException:
-                    item[1].release()
-                    raise
+                t = time.perf_counter()
+                writer.put(current)  # the writer owns it from here
+                current = None
+                clock["wait_writers_s"] += time.perf_counter() - t
     finally:
         if current is not None:  # stop its copies before the pool frees the buffers
-            for c in current.copies:
-                c.cancel()
-            fill.shutdown(wait=True)
+            current.settle()
             current.bufs.release()
+    return clock
 
 
 def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> tuple[dict, bool]:

@@ -4,8 +4,11 @@ equal to the fill value left out, as zarr does), the shard index appended (offse
 + crc32c, the file written under a temp name, fsynced and renamed. zarr only reads these shards:
 its per-process event loop held a writer to a few hundred MB/s. Runs in a writer thread, or in a
 writer PROCESS over shared-memory buffers, so a many-core GPU host encodes pieces in parallel."""
+import errno
+import mmap
 import os
 import threading
+import time
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -125,39 +128,98 @@ def encode_shard(a: np.ndarray, chunk_rows: int, codec: str, level: int, fill: i
     return parts + [ib, _crc(ib)]
 
 
+DIRECT = True  # O_DIRECT where the filesystem takes it (tests switch it off to cover the fallback)
+_BLOCK = 4096  # O_DIRECT wants block-aligned buffers, offsets and lengths
+_local = threading.local()  # per writer thread: one reused, page-aligned staging buffer
+
+
+def _staging(size: int) -> mmap.mmap:
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = _local.buf = mmap.mmap(-1, -(-size // (64 << 20)) * (64 << 20))  # grows in 64 MiB steps
+    return buf
+
+
+def _write_direct(tmp: Path, parts: list, size: int) -> bool:
+    """The file's bytes gathered into an aligned buffer and written with O_DIRECT: no copy into the
+    page cache, no dirty pages for the kernel to write back under memory pressure. A single stream
+    on the GPU host's disk: 1.7 GB/s vs 1.0 GB/s buffered + fsync (bench.host_path). False when the
+    filesystem refuses O_DIRECT (tmpfs, some network filesystems): the caller writes buffered."""
+    global DIRECT
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        DIRECT = False
+        return False
+    padded = -(-size // _BLOCK) * _BLOCK
+    view, o = memoryview(_staging(padded)), 0
+    try:
+        for p in parts:
+            b = memoryview(p).cast("B")
+            view[o:o + len(b)] = b
+            o += len(b)
+        view[size:padded] = bytes(padded - size)
+        o = 0
+        while o < padded:
+            o += os.write(fd, view[o:min(padded, o + (1 << 30))])
+        os.ftruncate(fd, size)  # the block padding off again
+        os.fsync(fd)  # the metadata (size, extents) and the device cache
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: alignment this device will not take; ENOSPC etc. are real
+            raise
+        DIRECT = False
+        return False
+    finally:
+        view.release()  # the staging buffer can grow again
+        os.close(fd)
+    return True
+
+
 def _write_file(path: Path, parts: list) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")  # never read; `_finalize` sweeps leftovers
-    with open(tmp, "wb") as f:
-        for p in parts:
-            f.write(p)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
+    size = sum(memoryview(p).nbytes for p in parts)
+    if not (DIRECT and _write_direct(tmp, parts, size)):
+        with open(tmp, "wb") as f:
+            for p in parts:
+                f.write(p)
+            f.flush()
+            os.fsync(f.fileno())
     tmp.replace(path)
     fsync_path(path.parent)  # the rename is durable before the piece's manifest commits it
     return size
 
 
-def write_piece(store: Path, index: int, layout: Layout, ids, aux, final, rows: list[dict]) -> tuple[list[str], int]:
-    """Returns (digest per row, bytes written). The caller commits the piece's manifest afterwards."""
+def write_piece(store: Path, index: int, layout: Layout, ids, aux, final,
+                rows: list[dict]) -> tuple[list[str], int, dict]:
+    """Returns (digest per row, bytes written, seconds per phase: digest / encode / write incl.
+    fsync and rename). The caller commits the piece's manifest afterwards."""
     S = layout.shard_tokens
+    t0 = time.perf_counter()
     digests = []
     for r in rows:
         o, n = r["start"] - index * S, r["length"]
         digests.append(sample_digest(ids[o:o + n], aux[o:o + n], final[o:o + n]))
+    phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0}
     written = 0
     for path, arr, fill in zip(shard_files(Path(store), index), (aux, final, ids), (0, 0, -1)):
+        t = time.perf_counter()
         parts = encode_shard(arr, layout.chunk_tokens, layout.codec, layout.level, fill)
+        t1 = time.perf_counter()
         if parts is not None:  # an all-fill shard has no file, as with zarr
             written += _write_file(path, parts)
-    return digests, written
+        phases["encode_s"] += t1 - t
+        phases["write_s"] += time.perf_counter() - t1
+    return digests, written, phases
 
 
 _attached: dict[str, shared_memory.SharedMemory] = {}  # in a writer process: pooled buffers stay mapped
 
 
-def write_piece_shared(store: str, index: int, layout: Layout, spec: dict, rows: list[dict]) -> tuple[list[str], int]:
+def write_piece_shared(store: str, index: int, layout: Layout, spec: dict,
+                       rows: list[dict]) -> tuple[list[str], int, dict]:
     """`write_piece` in a writer process, reading the piece from the parent's shared memory. The
     mapping is kept: the parent reuses its buffers, so later pieces read already-mapped pages."""
     arrays = {}

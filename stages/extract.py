@@ -1,8 +1,10 @@
 """Stage `extract@<part>`: hidden states of a tokenized part into a validated Zarr store.
 
     python -m stages.extract <part>
-    params: extract.* (backend, taps, dtype, device, batch_tokens, revision, work_dir; extract.sglang.* for
-            the sglang backend: server_url or launch-and-stop, concurrency, retries, capture_dir),
+    params: extract.* (backend, taps, dtype, device, batch_tokens, writers, revision, work_dir;
+            extract.hf.compile for the hf backend: auto = compiled norm/MLP modules on CUDA;
+            extract.sglang.* for the sglang backend: server_url or launch-and-stop, concurrency,
+            retries, capture_dir),
             store.* (codec, level, chunk_mb, shard_mb), validate.* (gate), tokenize.max_seq_len
 A crash leaves finished pieces in extract.work_dir; rerunning resumes. A failed validation gate
 writes metrics/extract/<part>.json and exits non-zero without touching data/hidden/<part>.

@@ -41,6 +41,25 @@ def test_padded_batch_equals_one_by_one_smollm2(smollm2):
         assert cos.min() >= 0.998 and rel.mean() <= 0.02
 
 
+def test_compiled_backend_equals_eager(tiny_target):
+    """`extract.hf.compile` (auto = on CUDA) compiles the norm and MLP modules; the states must not
+    change beyond float reordering, for any batch shape, and a bad value is refused."""
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    assert HFBackend(tiny_target, taps, device="cpu").compile is False  # auto: CUDA only
+    with pytest.raises(EaglenestError, match="extract.hf.compile must be"):
+        HFBackend(tiny_target, taps, device="cpu", compile="yes")
+    eager = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=False)
+    comp = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=True)
+    for seqs in (random_samples(3, tiny_target.vocab_size, 3, 40, seed=4), random_samples(1, tiny_target.vocab_size,
+                                                                                          50, 70, seed=5)):
+        for (a, f), (a1, f1) in zip(eager.extract(seqs), comp.extract(seqs)):
+            cos, rel = token_stats(torch.cat([a.flatten(0, 1), f]).float(), torch.cat([a1.flatten(0, 1), f1]).float())
+            # fp32 compute, stored as bf16: at most a rounding flip (one bf16 ulp = 2^-8 relative)
+            assert cos.min() >= 0.99999 and rel.max() <= 2 ** -7, (cos.min(), rel.max())
+    compiled = [m for m in comp.decoder.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert {type(m).__name__ for m in compiled} == {"LlamaRMSNorm", "LlamaMLP"}, compiled
+
+
 def test_tap_ids_out_of_range():
     with pytest.raises(EaglenestError, match=r"\[30\] out of range.*\[0, 29\]"):
         resolve_taps([2, 15, 30], 30)
