@@ -141,13 +141,19 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
     before = set(os.listdir("/dev/shm"))
     index = {}
     for writers in (1, 3):
-        extract_part(part="p", tokenized=tok, target=tiny_target, backend=HFBackend(tiny_target, taps, device="cpu"),
+        m = extract_part(part="p", tokenized=tok, target=tiny_target, backend=HFBackend(tiny_target, taps, device="cpu"),
                      taps=taps, dtype="float32", revision=0,
                      layout_cfg=dict(chunk_mb=0.005, shard_mb=0.02, codec="zstd", level=1),
                      validate_cfg={"samples": 2}, out_dir=tmp_path / f"w{writers}", work_root=tmp_path / "work",
                      batch_tokens=256, max_seq_len=64, progress=False, writers=writers)
         store = HiddenStore(tmp_path / f"w{writers}")
         assert verify_store(store.path, progress=False) == []
+        # the host-path report accounts for every piece the writers handled
+        hp = m["host_path"]
+        assert hp["writers"] == writers and hp["bound_by"] in ("backend", "store")
+        busy = hp["writer_busy"]
+        assert busy["piece_s"] >= busy["digest_s"] + busy["encode_s"] + busy["write_s"] - 0.05 > 0
+        assert {"fill_s", "wait_fill_s"} <= busy.keys() and hp["launch_s"] + hp["wait_backend_s"] > 0
         index[writers] = [(r["key"], r["digest"], r["start"]) for r in store.index]
         # pieces reuse pooled buffers: every row no sample owns must hold the fill values, not a
         # previous piece's states
