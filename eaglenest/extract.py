@@ -133,9 +133,7 @@ class PieceWriter:
                     continue
                 t = time.perf_counter()
                 rows, fill_s = piece.finish()  # its copies, then the padding tail
-                with self.lock:
-                    self.seconds["wait_fill_s"] += time.perf_counter() - t
-                    self.seconds["fill_s"] += fill_s
+                filled = {"wait_fill_s": time.perf_counter() - t, "fill_s": fill_s}
                 t = time.perf_counter()
                 if self.pool is not None:
                     digests, written, phases = self.pool.submit(write_piece_shared, str(self.work.store), index,
@@ -147,8 +145,7 @@ class PieceWriter:
                 for r, d in zip(rows, digests):  # the digest of the exact bytes stored
                     r["digest"] = d
                 self.work.commit_piece(index, rows)
-                phases["piece_s"] = time.perf_counter() - t  # incl. the hand-over and the manifest
-                phases["fill_s"] = phases["wait_fill_s"] = 0.0  # counted above
+                phases.update(filled, piece_s=time.perf_counter() - t)  # piece_s: + hand-over, manifest
                 with self.lock:
                     self.bytes_written += written
                     for k, v in phases.items():
@@ -267,11 +264,12 @@ def _host_path_report(part: str, clock: dict, writer: PieceWriter, writers: int,
     store_wait = clock["wait_writers_s"] + drain_s
     backend_s = clock["wait_backend_s"] + clock["launch_s"]
     out["bound_by"] = "store" if store_wait > 0.1 * compute_s else "backend"  # >10 %: writers hold it back
+    busy = writer.seconds
     log.info("%s: host path: the loop spent %.1f s launching + waiting on the backend, %.1f s on the "
              "writers (+%.1f s draining them); %d writers %.0f%% busy; summed over pieces: fill copies %.1f s, "
-             "digest %.1f s, encode %.1f s, write+fsync %.1f s -> %s-bound", part, backend_s, clock["wait_writers_s"], drain_s,
-             writers, 100 * out["writer_utilisation"], writer.seconds["fill_s"], writer.seconds["digest_s"],
-             writer.seconds["encode_s"], writer.seconds["write_s"], out["bound_by"])
+             "digest %.1f s, encode %.1f s, write+fsync %.1f s -> %s-bound", part, backend_s,
+             clock["wait_writers_s"], drain_s, writers, 100 * out["writer_utilisation"], busy["fill_s"],
+             busy["digest_s"], busy["encode_s"], busy["write_s"], out["bound_by"])
     if out["bound_by"] == "store":
         log.warning("%s: the store path bounds extraction: more writers (extract.writers), store.codec none, "
                     "or a faster disk under extract.work_dir", part)
