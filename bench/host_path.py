@@ -6,9 +6,10 @@ performance). Finds the phase that bounds `extract` when the GPU outruns the sto
 Per core: fill copy (numpy into a touched buffer), sample digest (xxh3), shard encode (none, zstd-1),
 crc32c. Disk: a piece's bytes written + fsynced by P processes at once (aggregate GB/s), the same
 without fsync, one O_DIRECT stream. Then `write_piece` itself (digest + encode + write + fsync) in
-P writer processes over shared memory, as `extract` runs it. Pieces are 8B-shaped (3 taps + final
-x 4096, 256 MB shards) of random-normal bf16 states, which zstd-1 shrinks about as much as real
-states. Writes bench/out/host_path.json (BENCH_OUT overrides the directory)."""
+P writer processes over shared memory, and `extract`'s PieceWriter around it (hand-over to the
+processes + the manifest's durable commit, reported as piece_s minus the measured phases). Pieces
+are 8B-shaped (3 taps + final x 4096, 256 MB shards) of random-normal bf16 states, which zstd-1
+shrinks about as much as real states. Writes bench/out/host_path.json (BENCH_OUT overrides the directory)."""
 import argparse
 import json
 import mmap
@@ -17,6 +18,7 @@ import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -140,6 +142,58 @@ def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) 
     return out
 
 
+class _Filled:
+    """A piece whose buffers are already filled: what `extract` hands its writer, minus the copies."""
+
+    def __init__(self, index: int, bufs, S: int):
+        self.piece, self.bufs = SimpleNamespace(index=index), bufs
+        self.rows = [{"id": f"s{index}", "key": f"k{index}", "start": index * S, "length": S, "piece": index}]
+
+    def finish(self):
+        return self.rows, 0.0
+
+    def settle(self):
+        pass
+
+
+def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) -> dict:
+    """`extract`'s own PieceWriter (hand-over to writer processes + write_piece + the manifest's
+    durable commit): piece_s minus the measured phases is what the hand-over and commit cost."""
+    import zarr
+
+    from eaglenest.extract import PieceWriter, WorkDir
+    from eaglenest.store import create_arrays
+    S, out = layout.shard_tokens, {}
+    for codec in ("none", "zstd"):
+        lay = Layout(layout.hidden, layout.n_aux, layout.chunk_tokens, S, codec, 1)
+        for p in procs:
+            shutil.rmtree(root, ignore_errors=True)
+            work = WorkDir(root, "bench", "0" * 20)
+            create_arrays(zarr.open_group(str(work.store), mode="w"), lay, pieces)
+            writer = PieceWriter(work, lay, workers=p, processes=p > 1)
+            pool = BufferPool(S, lay.n_aux, lay.hidden, shared=writer.shared)
+            ready = [pool.get() for _ in range(3 * p + 2)]  # queue (2p) + in flight (p), all filled
+            for b in ready:
+                for k in ("ids", "aux", "final"):
+                    b.arrays[k][:] = a[k]
+                b.release()
+            t = time.perf_counter()
+            for i in range(pieces):
+                writer.put(_Filled(i, pool.get(), S))
+            writer.close()
+            dt = time.perf_counter() - t
+            pool.close()
+            sec = {k: round(v, 2) for k, v in writer.seconds.items()}
+            sec["handover_and_commit_s"] = round(sec["piece_s"] - sec["digest_s"] - sec["encode_s"]
+                                                 - sec["write_s"], 2)
+            nbytes = pieces * sum(v.nbytes for v in a.values())
+            out[f"piece_writer_{codec}_p{p}"] = {"GB_s": round(nbytes / dt / 1e9, 2),
+                                                 "tok_s": round(pieces * S / dt, 1), "seconds_summed": sec}
+            print(codec, p, out[f"piece_writer_{codec}_p{p}"], flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=OUT / "host_path_tmp", help="scratch directory on the disk under test")
@@ -158,6 +212,7 @@ def main():
     if not args.skip_disk:
         res["disk"] = disk(args.dir, int(res["piece_MB"] * 1e6), args.pieces, args.processes)
     res["write_piece"] = writers(args.dir, layout, a, args.pieces, args.processes)
+    res["piece_writer"] = piece_writer(args.dir, layout, a, args.pieces, args.processes)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "host_path.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -30,7 +30,7 @@ from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
 from .hashing import sha256_file, sha256_text
 from .pieces import Piece, length_batches, plan_pieces
-from .piece_io import BufferPool, write_piece, write_piece_shared
+from .piece_io import BufferPool, import_piece_io, write_piece, write_piece_shared
 from .store import SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, write_checksums, write_index
 from .target import Target
 from .validate import Reference, run_gate
@@ -94,6 +94,8 @@ class PieceWriter:
             # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
             # current piece is written: same bytes as the resumed run writes, renamed into place.
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            for _ in range(workers):  # start (and import) every writer now, while the model loads: a
+                self.pool.submit(import_piece_io)  # first piece would otherwise wait ~1 s for it
         self.threads = [threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True)
                         for i in range(workers)]
         for t in self.threads:

@@ -215,6 +215,10 @@ def write_piece(store: Path, index: int, layout: Layout, ids, aux, final,
     return digests, written, phases
 
 
+def import_piece_io() -> None:
+    """A no-op task: unpickling it imports this module (numpy, zarr's codecs) in a fresh writer process."""
+
+
 _attached: dict[str, shared_memory.SharedMemory] = {}  # in a writer process: pooled buffers stay mapped
 
 
