@@ -94,8 +94,10 @@ class PieceWriter:
             # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
             # current piece is written: same bytes as the resumed run writes, renamed into place.
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-            for _ in range(workers):  # start (and import) every writer now, while the model loads: a
-                self.pool.submit(import_piece_io)  # first piece would otherwise wait ~1 s for it
+            # start every writer now, while the model loads: spawn re-imports the main module (torch
+            # included), ~4 s per writer on the H200 host, which each one's first piece waited for
+            for _ in range(workers):
+                self.pool.submit(import_piece_io)
         self.threads = [threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True)
                         for i in range(workers)]
         for t in self.threads:
