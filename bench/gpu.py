@@ -363,7 +363,7 @@ def main():
         bench_training(res, args)
     if not args.skip_extract:
         target = bench_extraction(res, args, peak)
-        if not args.skip_loader:
+        if not args.skip_loader and LOADER_PART in res:  # --only may have left its store out
             bench_loader(res, target)
     res["matmul_peak_tflops_end"] = round(matmul_peak() / 1e12, 1)
     log(res)

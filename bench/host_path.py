@@ -9,7 +9,8 @@ without fsync, one O_DIRECT stream. Then `write_piece` itself (digest + encode +
 P writer processes over shared memory, and `extract`'s PieceWriter around it (hand-over to the
 processes + the manifest's durable commit, reported as piece_s minus the measured phases). Pieces
 are 8B-shaped (3 taps + final x 4096, 256 MB shards) of random-normal bf16 states, which zstd-1
-shrinks about as much as real states. Writes bench/out/host_path.json (BENCH_OUT overrides the directory)."""
+shrinks about as much as real states. Writes bench/out/host_path.json (BENCH_OUT overrides the
+directory)."""
 import argparse
 import json
 import mmap
@@ -105,6 +106,15 @@ def disk(root: Path, blob_size: int, pieces: int, procs: list[int]) -> dict:
     return out
 
 
+def _filled_buffers(pool: BufferPool, a: dict, n: int) -> list:
+    """n pooled piece buffers holding the sample piece (pooled buffers stay touched, as in extract)."""
+    bufs = [pool.get() for _ in range(n)]
+    for b in bufs:
+        for k in ("ids", "aux", "final"):
+            b.arrays[k][:] = a[k]
+    return bufs
+
+
 def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) -> dict:
     """`write_piece` in P processes over shared memory, as `extract` runs it."""
     import zarr
@@ -119,10 +129,7 @@ def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) 
             shutil.rmtree(root, ignore_errors=True)
             create_arrays(zarr.open_group(str(root), mode="w"), lay, pieces)
             pool = BufferPool(S, lay.n_aux, lay.hidden, shared=True)
-            bufs = [pool.get() for _ in range(p)]
-            for b in bufs:
-                for k in ("ids", "aux", "final"):
-                    b.arrays[k][:] = a[k]
+            bufs = _filled_buffers(pool, a, p)
             with ProcessPoolExecutor(p) as ex:
                 for b in bufs:  # map each buffer once, as pooled buffers stay mapped
                     ex.submit(write_piece_shared, str(root / "warm"), 0, lay, b.spec, []).result()
@@ -172,10 +179,7 @@ def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[i
             create_arrays(zarr.open_group(str(work.store), mode="w"), lay, pieces)
             writer = PieceWriter(work, lay, workers=p, processes=p > 1)
             pool = BufferPool(S, lay.n_aux, lay.hidden, shared=writer.shared)
-            ready = [pool.get() for _ in range(3 * p + 2)]  # queue (2p) + in flight (p), all filled
-            for b in ready:
-                for k in ("ids", "aux", "final"):
-                    b.arrays[k][:] = a[k]
+            for b in _filled_buffers(pool, a, 3 * p + 2):  # enough for the queue (2p) + in flight (p)
                 b.release()
             t = time.perf_counter()
             for i in range(pieces):
