@@ -5,10 +5,11 @@ on the same GPU, against a bf16 matmul peak measured in the same run.
 
 1. Extraction, hf backend, a Llama-3.1-8B-shaped target with random bf16 weights (built from a
    config, saved and loaded back): forward only (decoder, output_hidden_states, 4 x 2048, no
-   padding mask as extract runs it; also with an all-ones mask), eager and with the norm/MLP
-   modules compiled (`extract.hf.compile`, the CUDA default); the host path alone (pinned D2H +
+   padding mask as extract runs it; also with an all-ones mask), eager and with each decoder
+   layer compiled (`extract.hf.compile`, the CUDA default); the host path alone (pinned D2H +
    fill + digest + shard encode + write + fsync, fed from GPU tensors with no model); end to end
-   through `extract_part`, codec none and zstd, eager and compiled, each with its `host_path`
+   through `extract_part`, codec none and zstd, eager and compiled, bf16 states and fp8 (quantized
+   on the GPU, `store.states`; run names `..._fp8_<codec>`), each with its `host_path`
    report (where the loop waited, what the writers spent). MFU = 2 x non-embedding params x
    tokens / time / peak (the decoder only: extraction never computes the lm_head).
 2. Drafter training step at 8B shapes (H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab
@@ -139,17 +140,19 @@ def bench_extraction(res, args, peak):
                                       "with_padding_mask_tok_s": round(ids.numel() / masked, 1),
                                       **({"profile": prof} if prof else {})}
         log(res)
-        runs = [("none", be), ("zstd", be)]
+        runs = [(codec, be, states) for states in ("bf16", "fp8") for codec in ("none", "zstd")]
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
-            runs = [("none", host), ("zstd", host)] + runs
-        for codec, backend in runs:
-            name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + f"_{codec}"
+            runs = [("none", host, "bf16"), ("zstd", host, "bf16")] + runs
+        for codec, backend, states in runs:
+            name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + \
+                ("_fp8" if states == "fp8" else "") + f"_{codec}"
             if args.only and name not in args.only:
                 continue
+            be.states = states  # fp8: quantized on the GPU before the copy out, as extract runs it
             m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
                              dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=1, shard_mb=256, codec=codec,
-                                                                           level=1),
+                                                                           level=1, states=states),
                              # random 32-layer bf16 weights drift more than a trained model (rel err
                              # ~0.065 at the deep taps): thresholds are per target. The host-only run
                              # stores random states, so its gate is skipped (samples 0).
@@ -159,7 +162,10 @@ def bench_extraction(res, args, peak):
                              max_seq_len=T, progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
             res[name] = {"tok_s": m["tokens_per_s"], "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
                          "bytes_per_token": m["bytes_per_token"], "GB_written": round(m["stored_bytes"] / 1e9, 2),
-                         "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"]}
+                         "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"],
+                         "gate": {k: {f: round(v[f], 5) for f in ("cosine_mean", "cosine_min", "rel_err_mean",
+                                                                   "rel_err_max")}
+                                  for k, v in m["validation"].get("taps", {}).items()}}
             log(res)
             if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)
@@ -342,7 +348,7 @@ def main():
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--compile", action="store_true",
-                    help="also the compiled target (norm + MLP modules, extract's CUDA default)")
+                    help="also the compiled target (each decoder layer, extract's CUDA default)")
     ap.add_argument("--skip-loader", action="store_true", help="no pack + loader + Trainer-on-shards figures")
     ap.add_argument("--only", nargs="*", help="training variants / extraction runs to run, by result name "
                                               "(default: all)")

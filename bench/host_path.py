@@ -46,7 +46,7 @@ def states(layout: Layout, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
     bits = lambda shape: (rng.standard_normal(shape, dtype=np.float32) * 0.7).view(np.uint32) >> 16  # noqa: E731
-    return {"ids": rng.integers(0, 128000, S, dtype=np.int32), "aux": bits((S, A, H)).astype(np.uint16),
+    return {"input_ids": rng.integers(0, 128000, S, dtype=np.int32), "aux": bits((S, A, H)).astype(np.uint16),
             "final": bits((S, H)).astype(np.uint16)}
 
 
@@ -110,8 +110,8 @@ def _filled_buffers(pool: BufferPool, a: dict, n: int) -> list:
     """n pooled piece buffers holding the sample piece (pooled buffers stay touched, as in extract)."""
     bufs = [pool.get() for _ in range(n)]
     for b in bufs:
-        for k in ("ids", "aux", "final"):
-            b.arrays[k][:] = a[k]
+        for k, v in a.items():
+            b.arrays[k][:] = v
     return bufs
 
 
@@ -128,7 +128,7 @@ def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) 
         for p in procs:
             shutil.rmtree(root, ignore_errors=True)
             create_arrays(zarr.open_group(str(root), mode="w"), lay, pieces)
-            pool = BufferPool(S, lay.n_aux, lay.hidden, shared=True)
+            pool = BufferPool(lay, shared=True)
             bufs = _filled_buffers(pool, a, p)
             with ProcessPoolExecutor(p) as ex:
                 for b in bufs:  # map each buffer once, as pooled buffers stay mapped
@@ -178,7 +178,7 @@ def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[i
             work = WorkDir(root, "bench", "0" * 20)
             create_arrays(zarr.open_group(str(work.store), mode="w"), lay, pieces)
             writer = PieceWriter(work, lay, workers=p, processes=p > 1)
-            pool = BufferPool(S, lay.n_aux, lay.hidden, shared=writer.shared)
+            pool = BufferPool(lay, shared=writer.shared)
             for b in _filled_buffers(pool, a, 3 * p + 2):  # enough for the queue (2p) + in flight (p)
                 b.release()
             t = time.perf_counter()

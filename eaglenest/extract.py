@@ -25,12 +25,13 @@ from tqdm import tqdm
 
 from .atomic import fsync_path, write_json
 from .backends import SampleFailed
-from .bf16 import from_bits, to_bits
+from . import state_format
+from .bf16 import from_bits
 from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
 from .hashing import sha256_file, sha256_text
 from .pieces import Piece, length_batches, plan_pieces
-from .piece_io import BufferPool, import_piece_io, write_piece, write_piece_shared
+from .piece_io import BufferPool, exit_without_teardown, import_piece_io, write_piece, write_piece_shared
 from .store import SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, write_checksums, write_index
 from .target import Target
 from .validate import Reference, run_gate
@@ -93,7 +94,8 @@ class PieceWriter:
             import multiprocessing
             # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
             # current piece is written: same bytes as the resumed run writes, renamed into place.
-            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=exit_without_teardown)
             # start every writer now, while the model loads: spawn re-imports the main module (torch
             # included), ~4 s per writer on the H200 host, which each one's first piece waited for
             for _ in range(workers):
@@ -143,9 +145,7 @@ class PieceWriter:
                     digests, written, phases = self.pool.submit(write_piece_shared, str(self.work.store), index,
                                                                 self.layout, bufs.spec, rows).result()
                 else:
-                    a = bufs.arrays
-                    digests, written, phases = write_piece(self.work.store, index, self.layout, a["ids"], a["aux"],
-                                                           a["final"], rows)
+                    digests, written, phases = write_piece(self.work.store, index, self.layout, bufs.arrays, rows)
                 for r, d in zip(rows, digests):  # the digest of the exact bytes stored
                     r["digest"] = d
                 self.work.commit_piece(index, rows)
@@ -199,7 +199,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     pieces = plan_pieces(lengths, layout.shard_tokens)
     attrs = {"schema_version": SCHEMA_VERSION, "part": part, "target_fingerprint": target.fingerprint,
              "extractor": info, "extractor_fingerprint": efp, "taps": taps, "tap_semantics": TAP_SEMANTICS,
-             "dtype": "bfloat16", "storage": "uint16 bit patterns of bfloat16 (view as bfloat16)",
+             "dtype": "bfloat16", "storage": state_format.describe(layout.states),
              "hidden_size": target.hidden_size, "max_seq_len": max_seq_len, "layout": asdict(layout),
              "input_sha256": input_sha, "work_key": work_key, "device": described.get("device")}
     group = _open_work_store(work, layout, len(pieces), attrs)
@@ -214,7 +214,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     # (bench.host_path); the other half run the loop, the fill copies and the backend
     writers = writers or max(1, min(8, (os.cpu_count() or 2) // 2))
     writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
-    pool = BufferPool(layout.shard_tokens, layout.n_aux, layout.hidden, shared=writer.shared)
+    pool = BufferPool(layout, shared=writer.shared)
     t_compute = time.time()
     with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
               smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
@@ -238,7 +238,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
 
     gate_metrics, passed = _gate(store, target, taps, validate_cfg, described.get("device", "cpu"))
     stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
-    raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2
+    raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
     metrics = {
         "part": part, "samples": len(seqs), "tokens": sum(lengths), "pieces": len(pieces),
         "pieces_resumed": len(done), "tokens_extracted_now": todo_tokens,
@@ -315,21 +315,28 @@ class _PieceFill:
         self.copies = []
 
     def add(self, batch, outs, seqs, fill: ThreadPoolExecutor) -> None:
-        A, H, lengths = self.layout.n_aux, self.layout.hidden, self.lengths
-        for i, (a, f) in zip(batch, outs):
-            n = lengths[i]
-            if a.shape != (n, A, H) or f.shape != (n, H):
-                raise EaglenestError(f"backend returned aux {tuple(a.shape)} / final {tuple(f.shape)} for sample "
-                                     f"{self.names[i]!r}; expected ({n}, {A}, {H}) / ({n}, {H})")
+        """`outs`: per sample (aux, final) bf16, or the stored arrays already encoded (a dict from
+        `state_format.encode`: the hf backend quantizes on the GPU)."""
+        A, H, lengths, states = self.layout.n_aux, self.layout.hidden, self.lengths, self.layout.states
+        for i, out in zip(batch, outs):
+            got = out if isinstance(out, dict) else dict(zip(("aux", "final"), out))
+            spec = state_format.arrays(states if isinstance(out, dict) else "bf16", A, H)
+            shapes = {k: tuple(t.shape) for k, t in got.items()}
+            want = {k: (lengths[i], *row) for k, (row, _) in spec.items()}
+            if shapes != want:
+                raise EaglenestError(f"backend returned {shapes} for sample {self.names[i]!r}; expected {want}")
         arr = self.bufs.arrays
 
         def copy_in(items):
             t = time.perf_counter()
-            for i, a, f in items:
+            for i, out in items:
                 o, n = self.start[i], lengths[i]
-                arr["ids"][o:o + n], arr["aux"][o:o + n], arr["final"][o:o + n] = seqs[i], to_bits(a), to_bits(f)
+                stored = out if isinstance(out, dict) else state_format.encode(*out, states)
+                arr["input_ids"][o:o + n] = seqs[i]
+                for name, a in state_format.as_numpy(stored, states).items():
+                    arr[name][o:o + n] = a
             return time.perf_counter() - t
-        self.copies.append(fill.submit(copy_in, [(i, a, f) for i, (a, f) in zip(batch, outs)]))
+        self.copies.append(fill.submit(copy_in, list(zip(batch, outs))))
 
     def settle(self) -> None:
         """Every copy finished or cancelled: the buffers are no longer written."""

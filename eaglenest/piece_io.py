@@ -4,9 +4,11 @@ equal to the fill value left out, as zarr does), the shard index appended (offse
 + crc32c, the file written under a temp name, fsynced and renamed. zarr only reads these shards:
 its per-process event loop held a writer to a few hundred MB/s. Runs in a writer thread, or in a
 writer PROCESS over shared-memory buffers, so a many-core GPU host encodes pieces in parallel."""
+import atexit
 import errno
 import mmap
 import os
+import sys
 import threading
 import time
 from multiprocessing import shared_memory
@@ -16,37 +18,36 @@ import google_crc32c
 import numpy as np
 
 from .atomic import fsync_path
-from .store import Layout, sample_digest
+from .store import Layout, fill_value, sample_digest
 
 EMPTY = np.uint64(2**64 - 1)  # the shard index entry of a chunk that was not written
 
 
 class PieceBuffers:
-    """ids [S] int32 (-1 = padding), aux [S, A, H] and final [S, H] uint16, optionally in shared memory.
-    Not initialised: the filler writes every sample row, then `pad_from` the tail. Taken from and
-    given back to a `BufferPool`: fresh pages cost a page fault each (a 200 MB piece copied into new
-    shared memory ran at ~1.3 GB/s, into touched memory at ~10 GB/s), so pieces reuse buffers."""
+    """One piece's rows of every stored array (`Layout.arrays`: input_ids int32, -1 = padding, and
+    the state arrays), optionally in shared memory. Not initialised: the filler writes every
+    sample row, then `pad_from` the tail. Taken from and given back to a `BufferPool`: fresh pages
+    cost a page fault each (a 200 MB piece copied into new shared memory ran at ~1.3 GB/s, into
+    touched memory at ~10 GB/s), so pieces reuse buffers."""
 
-    SPECS = (("ids", np.int32), ("aux", np.uint16), ("final", np.uint16))
-
-    def __init__(self, S: int, A: int, H: int, shared: bool, pool: "BufferPool | None" = None):
-        shapes = {"ids": (S,), "aux": (S, A, H), "final": (S, H)}
+    def __init__(self, layout: Layout, shared: bool, pool: "BufferPool | None" = None):
         self.shm, self.arrays, self.pool = {}, {}, pool
-        for name, dtype in self.SPECS:
-            size = int(np.prod(shapes[name])) * np.dtype(dtype).itemsize
+        shapes = {}
+        for name, (row, dtype) in layout.arrays().items():
+            shapes[name] = (layout.shard_tokens, *row)
+            size = int(np.prod(shapes[name])) * dtype.itemsize
             if shared:
                 self.shm[name] = shared_memory.SharedMemory(create=True, size=size)
                 self.arrays[name] = np.ndarray(shapes[name], dtype=dtype, buffer=self.shm[name].buf)
             else:
                 self.arrays[name] = np.empty(shapes[name], dtype=dtype)
-        self.spec = {name: (self.shm[name].name, shapes[name], np.dtype(dtype).str)
-                     for name, dtype in self.SPECS} if shared else None
+        self.spec = {name: (self.shm[name].name, shapes[name], a.dtype.str)
+                     for name, a in self.arrays.items()} if shared else None
 
     def pad_from(self, row: int) -> None:
         """Rows past the last sample hold the fill values (ids -1, states 0)."""
-        self.arrays["ids"][row:] = -1
-        self.arrays["aux"][row:] = 0
-        self.arrays["final"][row:] = 0
+        for name, a in self.arrays.items():
+            a[row:] = fill_value(name)
 
     def release(self) -> None:
         """Back to the pool (its contents are rewritten before the next use), or freed."""
@@ -70,8 +71,8 @@ class BufferPool:
     """Piece buffers of one layout, reused; `close` frees them all (shared memory outlives the
     process otherwise)."""
 
-    def __init__(self, S: int, A: int, H: int, shared: bool):
-        self.args, self.free, self.made = (S, A, H, shared), [], []
+    def __init__(self, layout: Layout, shared: bool):
+        self.args, self.free, self.made = (layout, shared), [], []
         self.lock = threading.Lock()
 
     def get(self) -> PieceBuffers:
@@ -93,9 +94,9 @@ class BufferPool:
         self.made, self.free = [], []
 
 
-def shard_files(store: Path, piece: int) -> list[Path]:
-    return [store / "aux" / "c" / str(piece) / "0" / "0", store / "final" / "c" / str(piece) / "0",
-            store / "input_ids" / "c" / str(piece)]
+def shard_files(store: Path, piece: int, layout: Layout) -> dict[str, Path]:
+    """name -> the shard file of `piece` (zarr's default key encoding: c/<piece>/0/... per extra axis)."""
+    return {name: Path(store, name, "c", str(piece), *["0"] * len(row)) for name, (row, _) in layout.arrays().items()}
 
 
 def _crc(b) -> bytes:
@@ -192,27 +193,40 @@ def _write_file(path: Path, parts: list) -> int:
     return size
 
 
-def write_piece(store: Path, index: int, layout: Layout, ids, aux, final,
+def write_piece(store: Path, index: int, layout: Layout, arrays: dict[str, np.ndarray],
                 rows: list[dict]) -> tuple[list[str], int, dict]:
-    """Returns (digest per row, bytes written, seconds per phase: digest / encode / write incl.
-    fsync and rename). The caller commits the piece's manifest afterwards."""
+    """`arrays`: the piece's rows of every stored array (`PieceBuffers.arrays`). Returns (digest per
+    row, bytes written, seconds per phase: digest / encode / write incl. fsync and rename). The
+    caller commits the piece's manifest afterwards."""
     S = layout.shard_tokens
     t0 = time.perf_counter()
     digests = []
     for r in rows:
         o, n = r["start"] - index * S, r["length"]
-        digests.append(sample_digest(ids[o:o + n], aux[o:o + n], final[o:o + n]))
+        digests.append(sample_digest({name: a[o:o + n] for name, a in arrays.items()}))
     phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0}
     written = 0
-    for path, arr, fill in zip(shard_files(Path(store), index), (aux, final, ids), (0, 0, -1)):
+    for name, path in shard_files(Path(store), index, layout).items():
         t = time.perf_counter()
-        parts = encode_shard(arr, layout.chunk_tokens, layout.codec, layout.level, fill)
+        parts = encode_shard(arrays[name], layout.chunk_tokens, layout.codec, layout.level, fill_value(name))
         t1 = time.perf_counter()
         if parts is not None:  # an all-fill shard has no file, as with zarr
             written += _write_file(path, parts)
         phases["encode_s"] += t1 - t
         phases["write_s"] += time.perf_counter() - t1
     return digests, written, phases
+
+
+def exit_without_teardown() -> None:
+    """Writer-process initializer: the process ends with os._exit instead of tearing down its
+    interpreter, which spawn filled with the parent's imports (torch): that teardown took ~0.5 s
+    per process, 1.1 s for 4 here, paid after every part's last piece. Nothing is lost: a piece is
+    fsynced before its result returns, and multiprocessing has run its own exit hooks by then."""
+    def bye():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    atexit.register(bye)  # atexit runs handlers last-registered first: this one before the teardown
 
 
 def import_piece_io() -> None:
@@ -231,4 +245,4 @@ def write_piece_shared(store: str, index: int, layout: Layout, spec: dict,
         if shm_name not in _attached:
             _attached[shm_name] = shared_memory.SharedMemory(name=shm_name)
         arrays[name] = np.ndarray(shape, dtype=np.dtype(dtype), buffer=_attached[shm_name].buf)
-    return write_piece(Path(store), index, layout, arrays["ids"], arrays["aux"], arrays["final"], rows)
+    return write_piece(Path(store), index, layout, arrays, rows)

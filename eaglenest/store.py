@@ -3,12 +3,15 @@
     aux        [n_pieces*S, n_aux, H] uint16 (bfloat16 bits), chunks (C, n_aux, H), shards (S, n_aux, H)
     final      [n_pieces*S, H]        uint16 (bfloat16 bits)
     input_ids  [n_pieces*S]           int32
+  or, with `store.states: fp8` (state_format): aux and final as uint8 (float8_e4m3fn bits) plus
+    aux_scale  [n_pieces*S, n_aux]    float32, chunks (C, n_aux), shards (S, n_aux)
+    final_scale [n_pieces*S]          float32
     index.parquet  id, key, start, length, digest, piece
-    checksums.json xxh3-128 of every metadata file (zarr.json x4, index.parquet); written last:
+    checksums.json xxh3-128 of every metadata file (every zarr.json, index.parquet); written last:
                    its presence commits the store
 
 A piece is one zarr shard of S token rows holding whole samples, zero-padded at its end, so every
-writer owns whole shards. Digest = xxh3-128 over the sample's ids, aux and final bytes. Every inner
+writer owns whole shards. Digest = xxh3-128 over the sample's ids and state arrays as stored. Every inner
 chunk carries a crc32c (and zarr checksums each shard index), so a flipped byte anywhere in a
 shard, padding included, fails the read of the sample it sits in; metadata is covered by
 checksums.json, checked on every open.
@@ -24,6 +27,7 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from . import state_format
 from .atomic import write_json
 from .errors import EaglenestError
 from .hashing import content_digest
@@ -33,7 +37,6 @@ log = logging.getLogger(__name__)
 
 INDEX = "index.parquet"
 CHECKSUMS = "checksums.json"
-METADATA = ("zarr.json", "aux/zarr.json", "final/zarr.json", "input_ids/zarr.json", INDEX)
 INDEX_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.string()), ("start", pa.int64()),
                           ("length", pa.int32()), ("digest", pa.string()), ("piece", pa.int32())])
 TAP_SEMANTICS = ("tap j = HF outputs.hidden_states[j] = residual stream entering decoder layer j "
@@ -48,18 +51,28 @@ class Layout:
     shard_tokens: int  # shard = piece = unit of writing
     codec: str = "zstd"
     level: int = 1
+    states: str = "bf16"  # state_format: bf16 | fp8
 
     @staticmethod
     def for_sizes(hidden: int, n_aux: int, chunk_mb: float, shard_mb: float, codec: str, level: int,
-                  max_seq_len: int) -> "Layout":
-        row = (n_aux + 1) * hidden * 2  # bytes of aux + final per token
-        chunk = max(16, int(chunk_mb * 2**20 / (n_aux * hidden * 2)) // 16 * 16)
+                  max_seq_len: int, states: str = "bf16") -> "Layout":
+        spec = state_format.arrays(states, n_aux, hidden)
+        row = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in spec.values())  # stored bytes per token
+        chunk = max(16, int(chunk_mb * 2**20 / (n_aux * hidden * spec["aux"][1].itemsize)) // 16 * 16)
         shard = max(chunk, int(shard_mb * 2**20 / row) // chunk * chunk)
         # a sample never spans pieces, so a piece must hold the longest sample
         shard = max(shard, -(-max_seq_len // chunk) * chunk)
         if codec not in ("none", "zstd"):
             raise EaglenestError(f"store.codec must be none or zstd, got {codec!r}")
-        return Layout(hidden, n_aux, chunk, shard, codec, level)
+        return Layout(hidden, n_aux, chunk, shard, codec, level, states)
+
+    def arrays(self) -> dict[str, tuple[tuple, np.dtype]]:
+        """Every stored array: name -> (one token's row shape, dtype); input_ids first, as digested."""
+        return {"input_ids": ((), np.dtype(np.int32)), **state_format.arrays(self.states, self.n_aux, self.hidden)}
+
+
+def fill_value(name: str) -> int:
+    return -1 if name == "input_ids" else 0  # -1: padding rows have no token
 
 
 def _compressors(layout: Layout):
@@ -68,19 +81,22 @@ def _compressors(layout: Layout):
 
 
 def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
-    rows, C, S, H, A = n_pieces * layout.shard_tokens, layout.chunk_tokens, layout.shard_tokens, layout.hidden, layout.n_aux
+    rows, C, S = n_pieces * layout.shard_tokens, layout.chunk_tokens, layout.shard_tokens
     comp = _compressors(layout)
-    group.create_array("aux", shape=(rows, A, H), chunks=(C, A, H), shards=(S, A, H), dtype="uint16",
-                       compressors=comp, fill_value=0, overwrite=True)
-    group.create_array("final", shape=(rows, H), chunks=(C, H), shards=(S, H), dtype="uint16",
-                       compressors=comp, fill_value=0, overwrite=True)
-    group.create_array("input_ids", shape=(rows,), chunks=(C,), shards=(S,), dtype="int32",
-                       compressors=comp, fill_value=-1, overwrite=True)
+    for name, (row, dtype) in layout.arrays().items():
+        group.create_array(name, shape=(rows, *row), chunks=(C, *row), shards=(S, *row), dtype=dtype,
+                           compressors=comp, fill_value=fill_value(name), overwrite=True)
 
 
-def sample_digest(ids: np.ndarray, aux: np.ndarray, final: np.ndarray) -> str:
-    return content_digest(np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(aux),
-                          np.ascontiguousarray(final))
+def metadata_files(layout: dict | Layout) -> list[str]:
+    states = layout["states"] if isinstance(layout, dict) else layout.states
+    names = ["input_ids", *state_format.arrays(states, 0, 0)]
+    return ["zarr.json", *(f"{n}/zarr.json" for n in names), INDEX]
+
+
+def sample_digest(arrays: dict[str, np.ndarray]) -> str:
+    """Over input_ids then the state arrays, as stored (`Layout.arrays` order)."""
+    return content_digest(*(np.ascontiguousarray(a) for a in arrays.values()))
 
 
 def write_index(path: Path, rows: list[dict]) -> None:
@@ -91,10 +107,15 @@ def write_index(path: Path, rows: list[dict]) -> None:
     tmp.replace(Path(path) / INDEX)
 
 
+def _layout_attr(path: Path) -> dict:
+    """The layout the root zarr.json declares (bf16 for stores made before `store.states`)."""
+    return {"states": "bf16", **json.loads((Path(path) / "zarr.json").read_text())["attributes"].get("layout", {})}
+
+
 def write_checksums(path: Path) -> None:
     """Commit a finished store: digests of its metadata files, written last and durably."""
-    write_json(Path(path) / CHECKSUMS, {f: content_digest((Path(path) / f).read_bytes()) for f in METADATA},
-               durable=True)
+    write_json(Path(path) / CHECKSUMS, {f: content_digest((Path(path) / f).read_bytes())
+                                        for f in metadata_files(_layout_attr(path))}, durable=True)
 
 
 def check_checksums(path: Path) -> None:
@@ -105,9 +126,12 @@ def check_checksums(path: Path) -> None:
         expected = json.loads((path / CHECKSUMS).read_text())
     except ValueError as e:
         raise EaglenestError(f"{path}/{CHECKSUMS}: corrupt ({e})") from None
-    for f in METADATA:
+    files = ["zarr.json"]  # checked first: it names the format, hence the other files
+    for f in files:
         if not (path / f).is_file() or content_digest((path / f).read_bytes()) != expected.get(f):
             raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
+        if f == "zarr.json":
+            files += metadata_files(_layout_attr(path))[1:]
 
 
 class HiddenStore:
@@ -128,7 +152,9 @@ class HiddenStore:
         if not index.is_file():
             raise EaglenestError(f"{self.path}: no {INDEX}; the store was never committed (half-written?)")
         self.index = pq.read_table(index).to_pylist()
-        self.aux, self.final, self.input_ids = self.group["aux"], self.group["final"], self.group["input_ids"]
+        self.states = self.attrs.get("layout", {}).get("states", "bf16")
+        names = ["input_ids", *state_format.arrays(self.states, 0, 0)]
+        self.arrays = {n: self.group[n] for n in names}
 
     def __len__(self) -> int:
         return len(self.index)
@@ -138,18 +164,19 @@ class HiddenStore:
         return sum(r["length"] for r in self.index)
 
     def read(self, i: int, verify: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i."""
+        """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i: bfloat16
+        bit patterns, decoded from the stored format."""
         r = self.index[i]
         sl = slice(r["start"], r["start"] + r["length"])
         try:
-            ids, aux, final = self.input_ids[sl], self.aux[sl], self.final[sl]
+            stored = {n: a[sl] for n, a in self.arrays.items()}
         except Exception as e:  # crc32c, codec or shard-index checksum failure
             raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
                                  f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
-        if verify and sample_digest(ids, aux, final) != r["digest"]:
+        if verify and sample_digest(stored) != r["digest"]:
             raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
                                  f"digest mismatch: stored bytes are corrupt")
-        return ids, aux, final
+        return (stored.pop("input_ids"), *state_format.decode(stored, self.states))
 
     def describe(self) -> dict:
         return {"path": str(self.path), "samples": len(self), "tokens": self.n_tokens, **self.attrs}

@@ -24,14 +24,17 @@ def test_bf16_bits_round_trip_is_exact():
     assert torch.equal(back.view(torch.int16), x.view(torch.int16))
 
 
-def extract_tiny(tiny_target, tmp_path, codec="zstd", n=12, name="p", batch_tokens=200):
+def extract_tiny(tiny_target, tmp_path, codec="zstd", n=12, name="p", batch_tokens=200, states="bf16",
+                 backend_states=None):
+    """`backend_states`: the format the backend hands over (default: the store's; bf16 with an fp8
+    store = states quantized in the fill, as for the sglang backend)."""
     taps = resolve_taps("auto", tiny_target.num_layers)
     seqs = random_samples(n, tiny_target.vocab_size, 33, 60)
     tok = write_tokenized(tmp_path / f"{name}.parquet", seqs)
-    be = HFBackend(tiny_target, taps, dtype="bfloat16", device="cpu")
+    be = HFBackend(tiny_target, taps, dtype="bfloat16", device="cpu", states=backend_states or states)
     out = tmp_path / "hidden" / name
     m = extract_part(part=name, tokenized=tok, target=tiny_target, backend=be, taps=taps, dtype="bfloat16",
-                     revision=0, layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec=codec, level=1),
+                     revision=0, layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec=codec, level=1, states=states),
                      validate_cfg={"samples": 3}, out_dir=out, work_root=tmp_path / "work", batch_tokens=batch_tokens,
                      max_seq_len=64, progress=False)
     return out, seqs, be, m
@@ -52,6 +55,55 @@ def test_store_round_trip_bit_exact(tiny_target, tmp_path):
         assert np.array_equal(aux, to_bits(a)) and np.array_equal(final, to_bits(f))
     assert verify_store(out, progress=False) == []
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def test_fp8_quantization_error_is_bounded():
+    from eaglenest import state_format
+    x = torch.randn(64, 3, 256) * torch.logspace(-3, 3, 64)[:, None, None]  # rows over six decades
+    x[5, 1] = 0.0  # an all-zero row: scale 0, decodes to exact zeros
+    x[7, 2, :4] = torch.tensor([448.0, -448.0, 0.5, 1.0])  # amax 448: scale 1, exact e4m3 values stay exact
+    x = x.to(torch.bfloat16)
+    stored = state_format.as_numpy(state_format.encode(x, x[:, 0], "fp8"), "fp8")
+    assert stored["aux"].dtype == np.uint8 and stored["aux_scale"].shape == (64, 3) and stored["final_scale"].shape == (64,)
+    aux, final = (from_bits(a).float() for a in state_format.decode(stored, "fp8"))
+    ref = x.float()
+    assert not aux[5, 1].any() and aux[7, 2, :4].tolist() == [448.0, -448.0, 0.5, 1.0]
+    err = (aux - ref).abs()
+    # e4m3: 3 mantissa bits, so an element within 2^-4 of itself (+ bf16 rounding of the product),
+    # and nothing worse than 2^-9 of the row's amax (the smallest subnormal step)
+    amax = ref.abs().amax(-1, keepdim=True)
+    assert (err <= ref.abs() * (2 ** -4 + 2 ** -8) + amax * 2 ** -9).all()
+    rel = (aux - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+    assert rel.max() < 0.05 and torch.equal(final, aux[:, 0])
+
+
+def test_fp8_store_half_the_bytes_same_states_either_path(tiny_target, tmp_path):
+    """fp8 stores: quantized by the hf backend (on its device) or in the fill (a backend handing over
+    bf16, as sglang does) give the same bytes; readers get bf16 within fp8's error of the exact
+    states; the gate passes; a flipped scale byte is named."""
+    bf16, seqs, be, m16 = extract_tiny(tiny_target, tmp_path / "bf16", codec="none")
+    fp8, _, _, m8 = extract_tiny(tiny_target, tmp_path / "fp8", codec="none", states="fp8")
+    fill, _, _, mf = extract_tiny(tiny_target, tmp_path / "fill", codec="none", states="fp8", backend_states="bf16")
+    assert m8["committed"] and m8["validation"]["passed"]
+    # 1 byte + 4/H for the scale vs 2 bytes per value; at H = 64 the scales, ids and the two stores'
+    # different padding (a piece holds twice the rows) add a few percent
+    assert 0.5 < m8["stored_bytes"] / m16["stored_bytes"] < 0.62
+    s16, s8 = HiddenStore(bf16), HiddenStore(fp8)
+    assert s8.attrs["layout"]["states"] == "fp8" and "float8_e4m3fn" in s8.attrs["storage"]
+    assert [r["digest"] for r in s8.index] == [r["digest"] for r in HiddenStore(fill).index]
+    assert [r["digest"] for r in s8.index] != [r["digest"] for r in s16.index]
+    for i in range(len(seqs)):
+        _, a16, f16 = s16.read(i)
+        ids, a8, f8 = s8.read(i)
+        assert np.array_equal(ids, seqs[i]) and a8.dtype == np.uint16 and a8.shape == a16.shape
+        x, y = from_bits(np.concatenate([a8.reshape(-1, a8.shape[-1]), f8])).float(), \
+            from_bits(np.concatenate([a16.reshape(-1, a16.shape[-1]), f16])).float()
+        assert ((x - y).norm(dim=-1) / y.norm(dim=-1)).max() < 0.05
+    assert verify_store(fp8, progress=False) == []
+    victim = s8.index[0]
+    flip_byte(fp8 / "aux_scale" / "c" / "0" / "0", 1)  # uncompressed: row 0's first scale
+    bad = verify_store(fp8, progress=False)
+    assert any(f"sample '{victim['id']}'" in b for b in bad)
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -125,38 +177,43 @@ def test_verify_cli_ok_exit_zero(tiny_target, tmp_path):
     assert p.returncode == 0 and "OK" in p.stdout
 
 
-@pytest.mark.parametrize("codec, direct", [("zstd", True), ("none", True), ("zstd", False)])
-def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, monkeypatch, codec, direct):
+@pytest.mark.parametrize("codec, direct, states", [("zstd", True, "bf16"), ("none", True, "bf16"),
+                                                   ("zstd", False, "bf16"), ("zstd", True, "fp8")])
+def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, monkeypatch, codec, direct, states):
     """Pieces are encoded without zarr (piece_io); the files must be exactly what zarr writes for
     the array metadata it created: same chunk bytes, crc32c, index, left-out fill chunks, no file
-    for an all-fill shard. Written with O_DIRECT (block padding cut off again) and buffered."""
+    for an all-fill shard. Written with O_DIRECT (block padding cut off again) and buffered; bf16
+    states and fp8 (uint8 states + float32 scale arrays)."""
     import zarr
 
     from eaglenest import piece_io
     from eaglenest.piece_io import shard_files, write_piece
     monkeypatch.setattr(piece_io, "DIRECT", direct)
     from eaglenest.store import Layout, create_arrays
-    layout = Layout(hidden=16, n_aux=3, chunk_tokens=16, shard_tokens=64, codec=codec, level=1)
+    layout = Layout(hidden=16, n_aux=3, chunk_tokens=16, shard_tokens=64, codec=codec, level=1, states=states)
     ours, ref = tmp_path / "ours", tmp_path / "zarr"
     for d in (ours, ref):
         create_arrays(zarr.open_group(str(d), mode="w"), layout, 3)
     rng = np.random.default_rng(0)
     for piece, used in ((0, 40), (1, 64), (2, 5)):  # padding chunks, a full shard, an all-fill aux shard
-        ids = np.full(64, -1, np.int32)
-        aux, final = np.zeros((64, 3, 16), np.uint16), np.zeros((64, 16), np.uint16)
-        ids[:used] = rng.integers(0, 1000, used)
-        final[:used] = rng.integers(0, 65535, (used, 16))
-        if piece != 2:
-            aux[:used] = rng.integers(0, 65535, (used, 3, 16))
+        arrays = {"input_ids": np.full(64, -1, np.int32)}
+        arrays["input_ids"][:used] = rng.integers(0, 1000, used)
+        for name, (row, dtype) in layout.arrays().items():
+            if name != "input_ids":
+                arrays[name] = np.zeros((64, *row), dtype)
+                if piece != 2 or not name.startswith("aux"):
+                    arrays[name][:used] = rng.integers(0, 256 ** min(2, dtype.itemsize), (used, *row)).astype(dtype)
         g = zarr.open_group(str(ref), mode="r+")
         sl = slice(piece * 64, piece * 64 + 64)
-        g["input_ids"][sl], g["aux"][sl], g["final"][sl] = ids, aux, final
-        write_piece(ours, piece, layout, ids, aux, final, [])
-        for a, b in zip(shard_files(ours, piece), shard_files(ref, piece)):
+        for name, a in arrays.items():
+            g[name][sl] = a
+        write_piece(ours, piece, layout, arrays, [])
+        for name, a in shard_files(ours, piece, layout).items():
+            b = shard_files(ref, piece, layout)[name]
             assert a.exists() == b.exists(), a
             assert not a.exists() or a.read_bytes() == b.read_bytes(), a
         g = zarr.open_group(str(ours), mode="r")
-        assert (g["input_ids"][sl] == ids).all() and (g["aux"][sl] == aux).all() and (g["final"][sl] == final).all()
-    assert not shard_files(ours, 2)[0].exists()  # all-fill aux shard: no file, as zarr does
+        assert all((g[name][sl] == a).all() for name, a in arrays.items())
+    assert not shard_files(ours, 2, layout)["aux"].exists()  # all-fill aux shard: no file, as zarr does
     if direct and not piece_io.DIRECT:
         pytest.skip("this filesystem refuses O_DIRECT: only the buffered fallback was checked")

@@ -6,6 +6,7 @@ import logging
 import numpy as np
 import torch
 
+from .. import state_format
 from ..errors import EaglenestError
 from ..target import Target, load_model
 from ..versions import CAPTURE_VERSIONS
@@ -20,13 +21,15 @@ def pick_device(device: str) -> str:
 
 
 class HFBackend:
-    """`compile`: "auto" (on CUDA), true or false — the RMSNorm and MLP modules compiled one by one
-    (each class compiles once and serves every layer; a whole-decoder compile breaks its graph on
-    transformers' hidden-state capture). Fuses the norm's fp32 casts/pow/mean/rsqrt and the MLP's
-    SiLU x up, which eager runs as separate memory-bound kernels (28 % of an 8B forward's GPU time)."""
+    """`compile`: "auto" (on CUDA), true or false — each decoder layer compiled on its own (one
+    graph serves every layer and length). Fuses what eager runs as separate memory-bound kernels:
+    RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half and the residual adds (28 %
+    of an 8B forward's GPU time eager). Not the whole decoder: transformers' hidden-state capture
+    hooks read a ContextVar that dynamo cannot trace, and per layer that break only splits the
+    layer in three graphs (input norm | attention | residual + MLP)."""
 
     def __init__(self, target: Target, taps: list[int], dtype: str = "bfloat16", device: str = "auto",
-                 attn: str = "sdpa", compile: bool | str = "auto"):
+                 attn: str = "sdpa", compile: bool | str = "auto", states: str = "bf16"):
         self.device = pick_device(device)
         if compile not in (True, False, "auto"):
             raise EaglenestError(f"extract.hf.compile must be auto, true or false, got {compile!r}")
@@ -35,16 +38,19 @@ class HFBackend:
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
         self.pad_id = 0
         self.copy_stream = None
+        # the store's format (`store.states`): fp8 is quantized on the device, before the copy out
+        state_format.arrays(states, 0, 0)
+        self.states = states
 
     def _load(self):
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
         if self.compile:
-            compiled = [m for m in self.decoder.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
-            for m in compiled:
+            layers = [m for m in self.decoder.modules() if type(m).__name__.endswith("DecoderLayer")]
+            for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
-            log.info("hf backend: %d norm/MLP modules compiled (first batches compile them)", len(compiled))
+            log.info("hf backend: %d decoder layers compiled (the first batches compile them)", len(layers))
         log.info("hf backend: %s on %s, taps %s", self.dtype, self.device, self.taps)
 
     def describe(self) -> dict:
@@ -76,7 +82,8 @@ class HFBackend:
     @torch.inference_mode()
     def extract_async(self, batch: list[np.ndarray]):
         """Launch the forward and the copies to pinned host memory; returns a callable that waits
-        for them and gives [(aux [n, A, H], final [n, H]) bf16 CPU] per sample. On CUDA the caller
+        for them and gives [(aux [n, A, H], final [n, H]) bf16 CPU] per sample (with `states` fp8:
+        per sample the stored arrays, `state_format.encode`). On CUDA the caller
         can launch the next batch first, so the GPU never idles while the host copies."""
         if self.decoder is None:
             self._load()
@@ -95,12 +102,18 @@ class HFBackend:
         # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
         aux = torch.stack([out.hidden_states[j] for j in self.taps], dim=2).to(torch.bfloat16)
         final = out.last_hidden_state.to(torch.bfloat16)
+        names, tensors = ("aux", "final"), [aux, final]
+        if self.states != "bf16":  # stored arrays, quantized where they were computed
+            stored = state_format.encode(aux, final, self.states)
+            names, tensors = tuple(stored), list(stored.values())
         done = None
         if aux.is_cuda:
-            aux, final, done = self._to_host(aux, final)
+            *tensors, done = self._to_host(*tensors)
 
         def wait():
             if done is not None:
                 done.synchronize()
-            return [(aux[b, :n], final[b, :n]) for b, n in enumerate(lengths)]
+            if self.states == "bf16":
+                return [(tensors[0][b, :n], tensors[1][b, :n]) for b, n in enumerate(lengths)]
+            return [{k: t[b, :n] for k, t in zip(names, tensors)} for b, n in enumerate(lengths)]
         return wait

@@ -1,0 +1,69 @@
+"""How a store keeps the hidden states (`store.states`, DESIGN §5).
+
+    bf16  aux [n, A, H] and final [n, H] as uint16 bit patterns: bit-exact.
+    fp8   e4m3 bit patterns (uint8) with one float32 scale per token and tap, x ~= q * scale,
+          scale = amax / 448: half the bytes, each element within 2^-4 of its value (3 mantissa
+          bits), which the validation gate bounds like any other precision loss.
+
+Readers always get bf16 back (`decode`), so pack, the gate and training never see the format.
+The digest covers the arrays as stored (scales included)."""
+import numpy as np
+import torch
+
+from .errors import EaglenestError
+
+FORMATS = ("bf16", "fp8")
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def arrays(states: str, n_aux: int, hidden: int) -> dict[str, tuple[tuple, np.dtype]]:
+    """The stored state arrays of a format: name -> (shape of one token's row, dtype), in digest order."""
+    if states == "bf16":
+        return {"aux": ((n_aux, hidden), np.dtype(np.uint16)), "final": ((hidden,), np.dtype(np.uint16))}
+    if states == "fp8":
+        return {"aux": ((n_aux, hidden), np.dtype(np.uint8)), "aux_scale": ((n_aux,), np.dtype(np.float32)),
+                "final": ((hidden,), np.dtype(np.uint8)), "final_scale": ((), np.dtype(np.float32))}
+    raise EaglenestError(f"store.states must be one of {', '.join(FORMATS)}, got {states!r}")
+
+
+def describe(states: str) -> str:
+    return {"bf16": "aux/final: uint16 bit patterns of bfloat16 (view as bfloat16)",
+            "fp8": "aux/final: uint8 bit patterns of float8_e4m3fn; state = value x <name>_scale "
+                   "(float32 per token and tap, amax/448)"}[states]
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> (e4m3 bits uint8 [..., H], scale float32 [...]); an all-zero row gets scale 0."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / E4M3_MAX
+    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny)).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale.squeeze(-1)
+
+
+def encode(aux: torch.Tensor, final: torch.Tensor, states: str) -> dict[str, torch.Tensor]:
+    """The stored arrays of one batch or sample, on the tensors' device (the GPU quantizes before
+    the copy to the host: half the bytes cross PCIe)."""
+    if states == "bf16":
+        return {"aux": aux.to(torch.bfloat16).view(torch.int16), "final": final.to(torch.bfloat16).view(torch.int16)}
+    arrays(states, 0, 0)  # names a bad format
+    a, a_s = _quantize(aux)
+    f, f_s = _quantize(final)
+    return {"aux": a, "aux_scale": a_s, "final": f, "final_scale": f_s}
+
+
+def as_numpy(stored: dict[str, torch.Tensor], states: str) -> dict[str, np.ndarray]:
+    """CPU tensors from `encode` as the store's numpy dtypes (bit views, no conversion)."""
+    spec = arrays(states, 0, 0)
+    return {k: t.contiguous().numpy().view(spec[k][1]) for k, t in stored.items()}
+
+
+def decode(stored: dict[str, np.ndarray], states: str) -> tuple[np.ndarray, np.ndarray]:
+    """(aux, final) as uint16 bfloat16 bit patterns, whatever the format."""
+    if states == "bf16":
+        return stored["aux"], stored["final"]
+    out = []
+    for name in ("aux", "final"):
+        q = torch.from_numpy(np.ascontiguousarray(stored[name])).view(torch.float8_e4m3fn)
+        s = torch.from_numpy(np.ascontiguousarray(stored[name + "_scale"]))
+        out.append((q.float() * s.unsqueeze(-1)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    return out[0], out[1]
