@@ -144,14 +144,15 @@ def bench_extraction(res, args, peak):
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
             runs = [("none", host, "bf16"), ("zstd", host, "bf16")] + runs
-        for codec, backend, states in runs:
+        for (codec, backend, states), shard_mb in [(r, mb) for r in runs for mb in args.shard_mb]:
             name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + \
                 ("_fp8" if states == "fp8" else "") + f"_{codec}"
             if args.only and name not in args.only:
                 continue
+            name += f"_shard{shard_mb}" if len(args.shard_mb) > 1 else ""
             be.states = states  # fp8: quantized on the GPU before the copy out, as extract runs it
             m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
-                             dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=1, shard_mb=256, codec=codec,
+                             dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=1, shard_mb=shard_mb, codec=codec,
                                                                            level=1, states=states),
                              # random 32-layer bf16 weights drift more than a trained model (rel err
                              # ~0.065 at the deep taps): thresholds are per target. The host-only run
@@ -160,7 +161,10 @@ def bench_extraction(res, args, peak):
                                            "max_rel_err_token": 0.3},
                              out_dir=OUT / f"store-{name}", work_root=OUT / "work",
                              max_seq_len=T, progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
+            hp = m["host_path"]  # while the forwards ran: without the last pieces' write after the last one
+            steady = m["tokens_extracted_now"] / (hp["launch_s"] + hp["wait_backend_s"] + hp["wait_writers_s"])
             res[name] = {"tok_s": m["tokens_per_s"], "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
+                         "steady_tok_s": round(steady, 1), "steady_mfu": round(2 * n_params * steady / peak, 3),
                          "bytes_per_token": m["bytes_per_token"], "GB_written": round(m["stored_bytes"] / 1e9, 2),
                          "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"],
                          "gate": {k: {f: round(v[f], 5) for f in ("cosine_mean", "cosine_min", "rel_err_mean",
@@ -345,6 +349,9 @@ def main():
     ap.add_argument("--writers", type=int, help="writer processes (default: extract's auto, cores/2 up to 8)")
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads in this process (host-path contention)")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="extraction batch (multiple of 2048)")
+    ap.add_argument("--shard-mb", type=int, nargs="+", default=[256],
+                    help="store.shard_mb of the end-to-end runs (default 256, as every recorded run; several: "
+                         "each run once per size, named ..._shard<MB>)")
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--compile", action="store_true",

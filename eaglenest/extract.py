@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 import zarr
 from tqdm import tqdm
 
+from . import state_format
 from .atomic import fsync_path, write_json
 from .backends import SampleFailed
-from . import state_format
 from .bf16 import from_bits
 from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key

@@ -64,7 +64,8 @@ def test_fp8_quantization_error_is_bounded():
     x[7, 2, :4] = torch.tensor([448.0, -448.0, 0.5, 1.0])  # amax 448: scale 1, exact e4m3 values stay exact
     x = x.to(torch.bfloat16)
     stored = state_format.as_numpy(state_format.encode(x, x[:, 0], "fp8"), "fp8")
-    assert stored["aux"].dtype == np.uint8 and stored["aux_scale"].shape == (64, 3) and stored["final_scale"].shape == (64,)
+    assert stored["aux"].dtype == np.uint8 and stored["aux_scale"].shape == (64, 3)
+    assert stored["final_scale"].shape == (64,)
     aux, final = (from_bits(a).float() for a in state_format.decode(stored, "fp8"))
     ref = x.float()
     assert not aux[5, 1].any() and aux[7, 2, :4].tolist() == [448.0, -448.0, 0.5, 1.0]

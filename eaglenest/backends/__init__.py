@@ -1,6 +1,8 @@
 """Extraction backends. Interface: `describe() -> {backend, version, capture_version, device}`,
 `extract(list of int32 id arrays) -> list of (aux [n, 3, H], final [n, H])` bf16 CPU tensors, and
-`close()`. A sample that fails for good raises `SampleFailed(position_in_batch, reason)`."""
+`close()`. A sample that fails for good raises `SampleFailed(position_in_batch, reason)`. The hf
+backend, built with `states="fp8"`, hands over each sample's stored arrays instead (a dict from
+`state_format.encode`, quantized on its device); extract quantizes other backends' bf16 states."""
 from ..errors import EaglenestError
 from ..versions import CAPTURE_VERSIONS  # noqa: F401
 

@@ -21,12 +21,15 @@ def pick_device(device: str) -> str:
 
 
 class HFBackend:
-    """`compile`: "auto" (on CUDA), true or false — each decoder layer compiled on its own (one
-    graph serves every layer and length). Fuses what eager runs as separate memory-bound kernels:
-    RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half and the residual adds (28 %
-    of an 8B forward's GPU time eager). Not the whole decoder: transformers' hidden-state capture
-    hooks read a ContextVar that dynamo cannot trace, and per layer that break only splits the
-    layer in three graphs (input norm | attention | residual + MLP)."""
+    """`compile`: "auto" (on CUDA), true or false — each decoder layer compiled on its own (its
+    graphs serve every layer and length). Fuses what eager runs as separate memory-bound kernels:
+    RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half and the residual adds (29 %
+    of an 8B forward's GPU time eager; compiled, the H200 forward went 0.61 -> 0.75 MFU). Not the
+    whole decoder: transformers' hidden-state capture hooks read a ContextVar that dynamo cannot
+    trace; per layer that break only splits it in three graphs (input norm | attention | the rest).
+
+    `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
+    copy out, so half the bytes cross PCIe."""
 
     def __init__(self, target: Target, taps: list[int], dtype: str = "bfloat16", device: str = "auto",
                  attn: str = "sdpa", compile: bool | str = "auto", states: str = "bf16"):
@@ -38,8 +41,7 @@ class HFBackend:
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
         self.pad_id = 0
         self.copy_stream = None
-        # the store's format (`store.states`): fp8 is quantized on the device, before the copy out
-        state_format.arrays(states, 0, 0)
+        state_format.arrays(states, 0, 0)  # a bad format is named here
         self.states = states
 
     def _load(self):
@@ -51,7 +53,8 @@ class HFBackend:
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
             log.info("hf backend: %d decoder layers compiled (the first batches compile them)", len(layers))
-        log.info("hf backend: %s on %s, taps %s", self.dtype, self.device, self.taps)
+        log.info("hf backend: %s on %s, taps %s, states stored as %s", self.dtype, self.device, self.taps,
+                 self.states)
 
     def describe(self) -> dict:
         import transformers
