@@ -16,14 +16,18 @@ FORMATS = ("bf16", "fp8")
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+def check(states: str) -> str:
+    if states not in FORMATS:
+        raise EaglenestError(f"store.states must be one of {', '.join(FORMATS)}, got {states!r}")
+    return states
+
+
 def arrays(states: str, n_aux: int, hidden: int) -> dict[str, tuple[tuple, np.dtype]]:
     """The stored state arrays of a format: name -> (shape of one token's row, dtype), in digest order."""
-    if states == "bf16":
+    if check(states) == "bf16":
         return {"aux": ((n_aux, hidden), np.dtype(np.uint16)), "final": ((hidden,), np.dtype(np.uint16))}
-    if states == "fp8":
-        return {"aux": ((n_aux, hidden), np.dtype(np.uint8)), "aux_scale": ((n_aux,), np.dtype(np.float32)),
-                "final": ((hidden,), np.dtype(np.uint8)), "final_scale": ((), np.dtype(np.float32))}
-    raise EaglenestError(f"store.states must be one of {', '.join(FORMATS)}, got {states!r}")
+    return {"aux": ((n_aux, hidden), np.dtype(np.uint8)), "aux_scale": ((n_aux,), np.dtype(np.float32)),
+            "final": ((hidden,), np.dtype(np.uint8)), "final_scale": ((), np.dtype(np.float32))}
 
 
 def describe(states: str) -> str:
@@ -43,9 +47,8 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def encode(aux: torch.Tensor, final: torch.Tensor, states: str) -> dict[str, torch.Tensor]:
     """The stored arrays of one batch or sample, on the tensors' device (the GPU quantizes before
     the copy to the host: half the bytes cross PCIe)."""
-    if states == "bf16":
+    if check(states) == "bf16":
         return {"aux": aux.to(torch.bfloat16).view(torch.int16), "final": final.to(torch.bfloat16).view(torch.int16)}
-    arrays(states, 0, 0)  # names a bad format
     a, a_s = _quantize(aux)
     f, f_s = _quantize(final)
     return {"aux": a, "aux_scale": a_s, "final": f, "final_scale": f_s}

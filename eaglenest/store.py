@@ -88,10 +88,12 @@ def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
                            compressors=comp, fill_value=fill_value(name), overwrite=True)
 
 
-def metadata_files(layout: dict | Layout) -> list[str]:
-    states = layout["states"] if isinstance(layout, dict) else layout.states
-    names = ["input_ids", *state_format.arrays(states, 0, 0)]
-    return ["zarr.json", *(f"{n}/zarr.json" for n in names), INDEX]
+def array_names(states: str) -> list[str]:
+    return ["input_ids", *state_format.arrays(states, 0, 0)]
+
+
+def metadata_files(states: str) -> list[str]:
+    return ["zarr.json", *(f"{n}/zarr.json" for n in array_names(states)), INDEX]
 
 
 def sample_digest(arrays: dict[str, np.ndarray]) -> str:
@@ -107,15 +109,15 @@ def write_index(path: Path, rows: list[dict]) -> None:
     tmp.replace(Path(path) / INDEX)
 
 
-def _layout_attr(path: Path) -> dict:
-    """The layout the root zarr.json declares (bf16 for stores made before `store.states`)."""
-    return {"states": "bf16", **json.loads((Path(path) / "zarr.json").read_text())["attributes"].get("layout", {})}
+def _states(path: Path) -> str:
+    """The state format the root zarr.json declares (bf16 for stores made before `store.states`)."""
+    return json.loads((Path(path) / "zarr.json").read_text())["attributes"].get("layout", {}).get("states", "bf16")
 
 
 def write_checksums(path: Path) -> None:
     """Commit a finished store: digests of its metadata files, written last and durably."""
     write_json(Path(path) / CHECKSUMS, {f: content_digest((Path(path) / f).read_bytes())
-                                        for f in metadata_files(_layout_attr(path))}, durable=True)
+                                        for f in metadata_files(_states(path))}, durable=True)
 
 
 def check_checksums(path: Path) -> None:
@@ -131,7 +133,7 @@ def check_checksums(path: Path) -> None:
         if not (path / f).is_file() or content_digest((path / f).read_bytes()) != expected.get(f):
             raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
         if f == "zarr.json":
-            files += metadata_files(_layout_attr(path))[1:]
+            files += metadata_files(_states(path))[1:]
 
 
 class HiddenStore:
@@ -153,8 +155,7 @@ class HiddenStore:
             raise EaglenestError(f"{self.path}: no {INDEX}; the store was never committed (half-written?)")
         self.index = pq.read_table(index).to_pylist()
         self.states = self.attrs.get("layout", {}).get("states", "bf16")
-        names = ["input_ids", *state_format.arrays(self.states, 0, 0)]
-        self.arrays = {n: self.group[n] for n in names}
+        self.arrays = {n: self.group[n] for n in array_names(self.states)}
 
     def __len__(self) -> int:
         return len(self.index)

@@ -41,8 +41,7 @@ class HFBackend:
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
         self.pad_id = 0
         self.copy_stream = None
-        state_format.arrays(states, 0, 0)  # a bad format is named here
-        self.states = states
+        self.states = state_format.check(states)
 
     def _load(self):
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
