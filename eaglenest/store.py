@@ -109,9 +109,13 @@ def write_index(path: Path, rows: list[dict]) -> None:
     tmp.replace(Path(path) / INDEX)
 
 
+def states_of(attrs: dict) -> str:
+    """The state format a store's attributes declare (bf16 for stores made before `store.states`)."""
+    return attrs.get("layout", {}).get("states", "bf16")
+
+
 def _states(path: Path) -> str:
-    """The state format the root zarr.json declares (bf16 for stores made before `store.states`)."""
-    return json.loads((Path(path) / "zarr.json").read_text())["attributes"].get("layout", {}).get("states", "bf16")
+    return states_of(json.loads((Path(path) / "zarr.json").read_text())["attributes"])
 
 
 def write_checksums(path: Path) -> None:
@@ -154,7 +158,7 @@ class HiddenStore:
         if not index.is_file():
             raise EaglenestError(f"{self.path}: no {INDEX}; the store was never committed (half-written?)")
         self.index = pq.read_table(index).to_pylist()
-        self.states = self.attrs.get("layout", {}).get("states", "bf16")
+        self.states = states_of(self.attrs)
         self.arrays = {n: self.group[n] for n in array_names(self.states)}
 
     def __len__(self) -> int:
