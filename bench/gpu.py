@@ -10,8 +10,11 @@ on the same GPU, against a bf16 matmul peak measured in the same run.
    fill + digest + shard encode + write + fsync, fed from GPU tensors with no model); end to end
    through `extract_part`, codec none and zstd, eager and compiled, bf16 states and fp8 (quantized
    on the GPU, `store.states`; run names `..._fp8_<codec>`), each with its `host_path`
-   report (where the loop waited, what the writers spent). MFU = 2 x non-embedding params x
-   tokens / time / peak (the decoder only: extraction never computes the lm_head).
+   report (where the loop waited, what the writers spent); between the two, `backend_only_*`:
+   the backend's own pipeline (forward, quantize, copy out) with no store. MFU = 2 x
+   non-embedding params x tokens / time / peak (the decoder only: extraction never computes the
+   lm_head), against the short matmul peak; `matmul_sustained` and each run's `gpu_clocks` (SM
+   clock, power, NVML's power-cap flag; needs `nvidia-ml-py`) show what the GPU held meanwhile.
 2. Drafter training step at 8B shapes (H 4096, 32/8 heads, I 14336, target vocab 128256, draft vocab
    32000, TTT 7, seq 2048, bf16 autocast, fp32 master weights, fused AdamW, grad clip), one lever
    at a time: eager attention + plain loss (the old step), flex attention + fused loss (its chunk
@@ -28,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.gpu_clocks import ClockSampler
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out/gpu"))
 T = 2048
@@ -54,6 +59,16 @@ def log(res):
 def matmul_peak() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     return 2 * 8192**3 / cuda_time(lambda: a @ a, reps=20, warm=5)
+
+
+def matmul_sustained(res, clocks, seconds: float = 4.0) -> None:
+    """The same matmul back to back for seconds, as a long forward runs its GEMMs: with the clocks
+    it shows what the GPU holds at its power limit (MFU stays against the short `matmul_peak`)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    reps = max(1, int(seconds * res["matmul_peak_tflops"] * 1e12 / (2 * 8192**3)))
+    out = res.setdefault("matmul_sustained", {})
+    with clocks.window(out):
+        out["tflops"] = round(2 * 8192**3 / cuda_time(lambda: a @ a, reps=reps, warm=5) / 1e12, 1)
 
 
 def llama8b(layers: int):
@@ -90,7 +105,26 @@ class GpuTensorBackend:
         pass
 
 
-def bench_extraction(res, args, peak):
+def backend_only(be, seqs, batch: int, n_batches: int) -> float:
+    """Seconds for n_batches through the backend's own pipeline as extract runs it (the next batch
+    launched before this one's states are awaited; forward, fp8 quantize, copy to pinned host
+    memory) with no store behind it: end to end with an infinitely fast host path."""
+    import numpy as np
+    batches = [[np.asarray(x) for x in seqs[i * batch:(i + 1) * batch]] for i in range(n_batches)]
+    for b in batches[:2]:  # warm: pinned blocks of these sizes, the quantize kernels
+        be.extract(b)
+    torch.cuda.synchronize()
+    t, prev = time.perf_counter(), None
+    for b in batches:
+        wait = be.extract_async(b)
+        if prev is not None:
+            prev()
+        prev = wait
+    prev()
+    return time.perf_counter() - t
+
+
+def bench_extraction(res, args, peak, clocks):
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -126,41 +160,58 @@ def bench_extraction(res, args, peak):
         tag = "compiled" if compiled else "plain"
         t = time.time()
         with torch.inference_mode():
+            if not be.warm:
+                be._warm(ids)  # the batch-1 graphs, as a part's first batch compiles them
             be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)  # compiles
         res[f"forward_{tag}_first_call_s"] = round(time.time() - t, 1)
+        fwd_clocks = {}
         with torch.inference_mode():
             def forward():
                 return be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
-            fwd = cuda_time(forward, reps=5)
+            with clocks.window(fwd_clocks):
+                fwd = cuda_time(forward, reps=10)
             masked = cuda_time(lambda: be.decoder(input_ids=ids, attention_mask=torch.ones_like(ids),
                                                   output_hidden_states=True, use_cache=False), reps=3)
             prof = kernel_profile(forward) if args.profile else None
         res[f"forward_only_{tag}"] = {"tok_s": round(ids.numel() / fwd, 1),
                                       "mfu": round(2 * n_params * ids.numel() / fwd / peak, 3),
                                       "with_padding_mask_tok_s": round(ids.numel() / masked, 1),
-                                      **({"profile": prof} if prof else {})}
+                                      **fwd_clocks, **({"profile": prof} if prof else {})}
         log(res)
+        if compiled:
+            for states in ("bf16", "fp8"):
+                be.states, out = states, {}
+                n = min(args.backend_batches, len(seqs) // (args.batch_tokens // T))
+                with clocks.window(out):
+                    dt = backend_only(be, seqs, args.batch_tokens // T, n)
+                toks = n * args.batch_tokens
+                res[f"backend_only_{tag}_{states}"] = {"tok_s": round(toks / dt, 1),
+                                                       "mfu": round(2 * n_params * toks / dt / peak, 3), **out}
+                log(res)
         runs = [(codec, be, states) for states in ("bf16", "fp8") for codec in ("none", "zstd")]
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
             runs = [("none", host, "bf16"), ("zstd", host, "bf16")] + runs
-        for (codec, backend, states), shard_mb in [(r, mb) for r in runs for mb in args.shard_mb]:
+        for (codec, backend, states), shard_mb, rep in [(r, mb, k) for r in runs for mb in args.shard_mb
+                                                         for k in range(args.repeat)]:
             name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + \
                 ("_fp8" if states == "fp8" else "") + f"_{codec}"
             if args.only and name not in args.only:
                 continue
             name += f"_shard{shard_mb}" if len(args.shard_mb) > 1 else ""
+            name += f"_r{rep + 1}" if args.repeat > 1 else ""
             be.states = states  # fp8: quantized on the GPU before the copy out, as extract runs it
-            m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
-                             dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=1, shard_mb=shard_mb, codec=codec,
-                                                                           level=1, states=states),
-                             # random 32-layer bf16 weights drift more than a trained model (rel err
-                             # ~0.065 at the deep taps): thresholds are per target. The host-only run
-                             # stores random states, so its gate is skipped (samples 0).
-                             validate_cfg={"samples": 0 if backend is not be else 1, "max_rel_err_mean": 0.1,
-                                           "max_rel_err_token": 0.3},
-                             out_dir=OUT / f"store-{name}", work_root=OUT / "work",
-                             max_seq_len=T, progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
+            layout = dict(chunk_mb=1, shard_mb=shard_mb, codec=codec, level=1, states=states)
+            # random 32-layer bf16 weights drift more than a trained model (rel err ~0.065 at the deep
+            # taps): thresholds are per target. The host-only run stores random states, so its gate is
+            # skipped (samples 0).
+            gate = {"samples": 0 if backend is not be else 1, "max_rel_err_mean": 0.1, "max_rel_err_token": 0.3}
+            run_clocks = {}
+            with clocks.window(run_clocks):
+                m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
+                                 dtype="bfloat16", revision=0, layout_cfg=layout, validate_cfg=gate,
+                                 out_dir=OUT / f"store-{name}", work_root=OUT / "work", max_seq_len=T,
+                                 progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
             hp = m["host_path"]  # while the forwards ran: without the last pieces' write after the last one
             steady = m["tokens_extracted_now"] / (hp["launch_s"] + hp["wait_backend_s"] + hp["wait_writers_s"])
             res[name] = {"tok_s": m["tokens_per_s"], "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
@@ -169,7 +220,7 @@ def bench_extraction(res, args, peak):
                          "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"],
                          "gate": {k: {f: round(v[f], 5) for f in ("cosine_mean", "cosine_min", "rel_err_mean",
                                                                    "rel_err_max")}
-                                  for k, v in m["validation"].get("taps", {}).items()}}
+                                  for k, v in m["validation"].get("taps", {}).items()}, **run_clocks}
             log(res)
             if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)
@@ -349,9 +400,12 @@ def main():
     ap.add_argument("--writers", type=int, help="writer processes (default: extract's auto, cores/2 up to 8)")
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads in this process (host-path contention)")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="extraction batch (multiple of 2048)")
+    ap.add_argument("--backend-batches", type=int, default=40,
+                    help="batches of the backend-only runs (forward + quantize + copy out, no store)")
     ap.add_argument("--shard-mb", type=int, nargs="+", default=[256],
                     help="store.shard_mb of the end-to-end runs (default 256, as every recorded run; several: "
                          "each run once per size, named ..._shard<MB>)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each end-to-end run N times (named ..._r<k>)")
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--compile", action="store_true",
@@ -369,17 +423,19 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "cpus": os.cpu_count(),
            "torch_threads": torch.get_num_threads()}
-    peak = matmul_peak()
-    res["matmul_peak_tflops"] = round(peak / 1e12, 1)
-    log(res)
-    if not args.skip_train:
-        bench_training(res, args)
-    if not args.skip_extract:
-        target = bench_extraction(res, args, peak)
-        if not args.skip_loader and LOADER_PART in res:  # --only may have left its store out
-            bench_loader(res, target)
-    res["matmul_peak_tflops_end"] = round(matmul_peak() / 1e12, 1)
-    log(res)
+    with ClockSampler() as clocks:
+        peak = matmul_peak()
+        res["matmul_peak_tflops"] = round(peak / 1e12, 1)
+        matmul_sustained(res, clocks)
+        log(res)
+        if not args.skip_train:
+            bench_training(res, args)
+        if not args.skip_extract:
+            target = bench_extraction(res, args, peak, clocks)
+            if not args.skip_loader and LOADER_PART in res:  # --only may have left its store out
+                bench_loader(res, target)
+        res["matmul_peak_tflops_end"] = round(matmul_peak() / 1e12, 1)
+        log(res)
 
 
 if __name__ == "__main__":

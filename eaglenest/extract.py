@@ -218,43 +218,54 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     t_compute = time.time()
     with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
               smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
+        drained = False
         try:
             clock = _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer,
                                 pool)
             t_drain = time.perf_counter()
+            drained = True
         finally:
             try:
                 writer.close()
+            except BaseException:
+                drained = False
+                raise
             finally:
-                pool.close()
+                if not drained:  # no copy or writer touches the buffers any more
+                    pool.close()
     compute_s = time.time() - t_compute
     host_path = _host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
+    # Freeing the piece buffers (GBs of shared memory, ~0.25 s per GB) overlaps the gate's forward
+    freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
+    freeing.start()
+    try:
+        rows = [r for m in work.committed().values() for r in m["samples"]]
+        if len(rows) != len(seqs):
+            raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
+        write_index(work.store, rows)
+        store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
-    rows = [r for m in work.committed().values() for r in m["samples"]]
-    if len(rows) != len(seqs):
-        raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
-    write_index(work.store, rows)
-    store = HiddenStore(work.store, check_metadata=False)  # not committed yet
-
-    gate_metrics, passed = _gate(store, target, taps, validate_cfg, described.get("device", "cpu"))
-    stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
-    raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
-    metrics = {
-        "part": part, "samples": len(seqs), "tokens": sum(lengths), "pieces": len(pieces),
-        "pieces_resumed": len(done), "tokens_extracted_now": todo_tokens,
-        "extract_seconds": round(compute_s, 2), "total_seconds": round(time.time() - t0, 2),
-        "tokens_per_s": round(todo_tokens / compute_s, 1) if todo_tokens else None,
-        "stored_bytes": stored_bytes, "bytes_per_token": round(stored_bytes / sum(lengths), 1),
-        "compression_ratio": round(raw / max(1, stored_bytes), 3),
-        "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
-        "extractor_fingerprint": efp, "host_path": host_path, "validation": gate_metrics,
-    }
-    if not passed:
-        metrics["committed"] = False
-        raise GateFailed(metrics)
-    _finalize(work, out_dir)
-    metrics["committed"] = True
-    return metrics
+        gate_metrics, passed = _gate(store, target, taps, validate_cfg, described.get("device", "cpu"))
+        stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
+        raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
+        metrics = {
+            "part": part, "samples": len(seqs), "tokens": sum(lengths), "pieces": len(pieces),
+            "pieces_resumed": len(done), "tokens_extracted_now": todo_tokens,
+            "extract_seconds": round(compute_s, 2), "total_seconds": round(time.time() - t0, 2),
+            "tokens_per_s": round(todo_tokens / compute_s, 1) if todo_tokens else None,
+            "stored_bytes": stored_bytes, "bytes_per_token": round(stored_bytes / sum(lengths), 1),
+            "compression_ratio": round(raw / max(1, stored_bytes), 3),
+            "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
+            "extractor_fingerprint": efp, "host_path": host_path, "validation": gate_metrics,
+        }
+        if not passed:
+            metrics["committed"] = False
+            raise GateFailed(metrics)
+        _finalize(work, out_dir)
+        metrics["committed"] = True
+        return metrics
+    finally:
+        freeing.join()
 
 
 def _host_path_report(part: str, clock: dict, writer: PieceWriter, writers: int, drain_s: float,

@@ -2,6 +2,7 @@
 alone: a real token never attends to padding, so a batch equals its samples run one by one (within
 dtype)."""
 import logging
+import time
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ class HFBackend:
     of an 8B forward's GPU time eager; compiled, the H200 forward went 0.61 -> 0.75 MFU). Not the
     whole decoder: transformers' hidden-state capture hooks read a ContextVar that dynamo cannot
     trace; per layer that break only splits it in three graphs (input norm | attention | the rest).
+    Dynamo specialises a batch of 1, so the first batch compiles both families (`_warm`): a part's
+    occasional one-sample batch (a piece's remainder) never recompiles in the middle of the part.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
@@ -42,6 +45,7 @@ class HFBackend:
         self.pad_id = 0
         self.copy_stream = None
         self.states = state_format.check(states)
+        self.warm = not self.compile  # eager needs no warming
 
     def _load(self):
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
@@ -78,6 +82,17 @@ class HFBackend:
             done.record()
         return *host, done
 
+    def _warm(self, ids: torch.Tensor) -> None:
+        """Compile the graphs of the other batch family now, at this batch's length (inductor
+        tunes its kernels for the sizes it first sees): one sample if the batch has several, two
+        copies of it if it has one. Costs one extra forward, once."""
+        t = time.perf_counter()
+        other = ids[:1] if len(ids) > 1 else ids.repeat(2, 1)
+        self.decoder(input_ids=other, output_hidden_states=True, use_cache=False)
+        self.warm = True
+        log.info("hf backend: warm-up forward at batch %d, length %d (compiles that batch family now, not "
+                 "mid-part): %.1f s", len(other), ids.shape[1], time.perf_counter() - t)
+
     def extract(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.extract_async(batch)()
 
@@ -100,6 +115,8 @@ class HFBackend:
         # transformers reads the mask back to decide that (a host sync per batch).
         if self.device != "cpu":  # from pageable memory the driver may wait for the running batch
             ids = ids.pin_memory().to(self.device, non_blocking=True)
+        if not self.warm:
+            self._warm(ids)
         out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
         # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
         aux = torch.stack([out.hidden_states[j] for j in self.taps], dim=2).to(torch.bfloat16)
