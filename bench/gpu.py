@@ -220,7 +220,9 @@ def bench_extraction(res, args, peak, clocks):
                          "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"],
                          "gate": {k: {f: round(v[f], 5) for f in ("cosine_mean", "cosine_min", "rel_err_mean",
                                                                    "rel_err_max")}
-                                  for k, v in m["validation"].get("taps", {}).items()}, **run_clocks}
+                                  for k, v in m["validation"].get("taps", {}).items()}, **run_clocks,
+                         # the target alone should remain: the gate's fp32 reference is freed with it
+                         "gpu_allocated_after_GiB": round(torch.cuda.memory_allocated() / 2**30, 1)}
             log(res)
             if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)

@@ -421,7 +421,8 @@ def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> t
         return ids, from_bits(aux), from_bits(final)
 
     t = time.time()
-    metrics, passed = run_gate(read, chosen, Reference(target, taps, device=device), cfg)
+    with Reference(target, taps, device=device) as ref:
+        metrics, passed = run_gate(read, chosen, ref, cfg)
     metrics["sample_ids"] = [store.index[i]["id"] for i in chosen]
     metrics["seed"] = seed
     metrics["seconds"] = round(time.time() - t, 2)

@@ -18,14 +18,25 @@ DEFAULT_THRESHOLDS = {"min_cosine_mean": 0.995, "min_cosine_token": 0.98,
 
 
 class Reference:
+    """The float32 reference model; a context manager that frees it on exit (an 8B target's copy is
+    32 GB: a process that extracts several parts must not keep one per gate)."""
+
     def __init__(self, target: Target, taps: list[int], device: str = "cpu"):
         self.model = load_model(target, dtype="float32", device=device, attn="eager")
         self.decoder = self.model.get_decoder()
         self.taps, self.device, self.L = list(taps), device, target.num_layers
-        self._prenorm = None
+        self._prenorm, self._hook = None, None
         norm = getattr(self.decoder, "norm", None)
         if norm is not None:
-            norm.register_forward_pre_hook(lambda _m, args: setattr(self, "_prenorm", args[0]))
+            self._hook = norm.register_forward_pre_hook(lambda _m, args: setattr(self, "_prenorm", args[0]))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._hook is not None:  # the hook holds self: a cycle only the cyclic GC would free
+            self._hook.remove()
+        self.model = self.decoder = self._prenorm = self._hook = None
 
     @torch.inference_mode()
     def states(self, ids: np.ndarray) -> dict:

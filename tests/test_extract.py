@@ -15,7 +15,7 @@ from eaglenest.errors import EaglenestError
 from eaglenest.extract import GateFailed, extract_part
 from eaglenest.extractor import resolve_taps
 from eaglenest.store import HiddenStore, verify_store
-from eaglenest.validate import token_stats
+from eaglenest.validate import Reference, token_stats
 
 from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
 
@@ -129,6 +129,22 @@ def test_gate_rejects_injected_defects(smollm2, tmp_path, defect, tap):
     assert set(os.listdir("/dev/shm")) - shm == set(), "the piece buffers are freed on failure too"
     m = e.value.metrics
     assert not m["validation"]["passed"] and any(f.startswith(tap) for f in m["validation"]["failures"])
+
+
+def test_reference_model_is_freed_after_the_gate(tiny_target):
+    """The gate's float32 reference (32 GB for an 8B target) is gone when its gate ends, without
+    waiting for the cyclic GC: a process extracting several parts ran out of GPU memory on the 4th."""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        with Reference(tiny_target, resolve_taps("auto", tiny_target.num_layers)) as ref:
+            model = weakref.ref(ref.model)
+            assert ref.states(np.arange(3, 12))["final"].shape == (9, tiny_target.hidden_size)
+        del ref
+        assert model() is None
+    finally:
+        gc.enable()
 
 
 def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
