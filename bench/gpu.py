@@ -192,6 +192,7 @@ def bench_extraction(res, args, peak, clocks):
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
             runs = [("none", host, "bf16"), ("zstd", host, "bf16")] + runs
+            del host  # it holds the eager model: freed with `runs` below
         for (codec, backend, states), shard_mb, rep in [(r, mb, k) for r in runs for mb in args.shard_mb
                                                          for k in range(args.repeat)]:
             name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + \
@@ -235,7 +236,7 @@ def bench_extraction(res, args, peak, clocks):
             from torch._dynamo.utils import counters
             res["compile_stats"] = dict(counters["stats"])  # unique graphs: a recompile storm shows here
             log(res)
-        del be
+        be = backend = runs = None  # the next variant's model gets the memory
         torch.cuda.empty_cache()
     return target
 
