@@ -216,29 +216,22 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
     writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
     pool = BufferPool(layout, shared=writer.shared)
     t_compute = time.time()
-    with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
-              smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
-        drained = False
-        try:
-            clock = _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer,
-                                pool)
-            t_drain = time.perf_counter()
-            drained = True
-        finally:
-            try:
-                writer.close()
-            except BaseException:
-                drained = False
-                raise
-            finally:
-                if not drained:  # no copy or writer touches the buffers any more
-                    pool.close()
-    compute_s = time.time() - t_compute
-    host_path = _host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
-    # Freeing the piece buffers (GBs of shared memory, ~0.25 s per GB) overlaps the gate's forward
+    # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
     freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
-    freeing.start()
     try:
+        with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
+                  smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
+            try:
+                clock = _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill,
+                                    writer, pool)
+                t_drain = time.perf_counter()
+            finally:
+                try:
+                    writer.close()
+                finally:  # no copy or writer touches the buffers any more
+                    freeing.start()
+        compute_s = time.time() - t_compute
+        host_path = _host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
         rows = [r for m in work.committed().values() for r in m["samples"]]
         if len(rows) != len(seqs):
             raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
@@ -265,7 +258,8 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
         metrics["committed"] = True
         return metrics
     finally:
-        freeing.join()
+        if freeing.ident is not None:  # started: joined before any return or raise
+            freeing.join()
 
 
 def _host_path_report(part: str, clock: dict, writer: PieceWriter, writers: int, drain_s: float,
