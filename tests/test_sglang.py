@@ -4,6 +4,7 @@ The server environment is `.venv-sglang` (`make sglang-env`, which `make test` r
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -18,8 +19,9 @@ import torch
 from eaglenest.backends import SampleFailed
 from eaglenest.backends.hf import HFBackend
 from eaglenest.backends.sglang_client import SGLangBackend
-from eaglenest.backends.sglang_server import LaunchedServer
+from eaglenest.backends.sglang_server import LaunchedServer, free_port
 from eaglenest.bf16 import from_bits
+from eaglenest.errors import EaglenestError
 from eaglenest.extract import extract_part
 from eaglenest.extractor import resolve_taps
 from eaglenest.store import HiddenStore
@@ -52,6 +54,27 @@ def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
                         "PYTHONPATH": os.pathsep.join(str(launch.STANDINS / s) for s in ("sgl_kernel_cpu", "no_torchvision"))})
     srv.start()
     return srv
+
+
+def test_server_port_taken_fails_fast_and_ports_avoid_the_ephemeral_range(smollm2, tmp_path):
+    """A server whose HTTP port is taken (its scheduler's own port-0 sockets once got it) waited
+    forever; the launcher names the port, stops the server and raises within its startup. Ports
+    come from below the kernel's ephemeral range, which bind(0) never hands out."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(1024 <= free_port() < low for _ in range(20))
+    with socket.socket() as taken:
+        port = free_port()
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        srv = LaunchedServer(SGPY, smollm2.model_dir, dtype="bfloat16", taps=resolve_taps("auto", smollm2.num_layers),
+                             capture_dir=tmp_path / "capture", device="cpu", extra_args=["--max-total-tokens", "16384"],
+                             log_path=tmp_path / "server.log", startup_timeout=300)
+        srv.port, srv.url = port, f"http://127.0.0.1:{port}"
+        srv.cmd[srv.cmd.index("--port") + 1] = str(port)
+        t = time.time()
+        with pytest.raises(EaglenestError, match=f"could not bind its port {port}"):
+            srv.start()
+        assert time.time() - t < 200 and not srv.alive()
 
 
 @pytest.fixture(scope="module")

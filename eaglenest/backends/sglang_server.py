@@ -3,6 +3,7 @@ own virtual environment (SGLang pins its own torch/transformers: `make sglang-en
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,10 +15,25 @@ from pathlib import Path
 from ..errors import EaglenestError
 
 log = logging.getLogger(__name__)
+BIND_FAILED = "error while attempting to bind on address"  # uvicorn's message
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port BELOW the kernel's ephemeral range. A port that bind(0) hands out is free again
+    once we close it, and the server's own internal sockets (bound to port 0 while it loads) can be
+    given it before its HTTP server binds: that server then cannot bind and never answers."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # all taken: any free port, raced as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -63,6 +79,10 @@ class LaunchedServer:
         t0 = time.time()
         while time.time() - t0 < self.startup_timeout:
             self.check_alive()
+            if BIND_FAILED in self.log_tail():  # SGLang then waits forever instead of exiting
+                self.stop()
+                raise EaglenestError(f"SGLang server could not bind its port {self.port} (another process took "
+                                     f"it); run again. Log {self.log_path}:\n{self.log_tail()}")
             try:
                 get_json(f"{self.url}/model_info", timeout=5)
                 log.info("SGLang server ready after %.0f s", time.time() - t0)
