@@ -67,8 +67,12 @@ class Layout:
         return Layout(hidden, n_aux, chunk, shard, codec, level, states)
 
     def arrays(self) -> dict[str, tuple[tuple, np.dtype]]:
-        """Every stored array: name -> (one token's row shape, dtype); input_ids first, as digested."""
-        return {"input_ids": ((), np.dtype(np.int32)), **state_format.arrays(self.states, self.n_aux, self.hidden)}
+        return stored_arrays(self.states, self.n_aux, self.hidden)
+
+
+def stored_arrays(states: str, n_aux: int, hidden: int) -> dict[str, tuple[tuple, np.dtype]]:
+    """Every stored array: name -> (one token's row shape, dtype); input_ids first, as digested."""
+    return {"input_ids": ((), np.dtype(np.int32)), **state_format.arrays(states, n_aux, hidden)}
 
 
 def fill_value(name: str) -> int:
@@ -89,7 +93,7 @@ def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
 
 
 def array_names(states: str) -> list[str]:
-    return ["input_ids", *state_format.arrays(states, 0, 0)]
+    return list(stored_arrays(states, 0, 0))
 
 
 def metadata_files(states: str) -> list[str]:
@@ -132,12 +136,13 @@ def check_checksums(path: Path) -> None:
         expected = json.loads((path / CHECKSUMS).read_text())
     except ValueError as e:
         raise EaglenestError(f"{path}/{CHECKSUMS}: corrupt ({e})") from None
-    files = ["zarr.json"]  # checked first: it names the format, hence the other files
-    for f in files:
+
+    def check(f: str) -> None:
         if not (path / f).is_file() or content_digest((path / f).read_bytes()) != expected.get(f):
             raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
-        if f == "zarr.json":
-            files += metadata_files(_states(path))[1:]
+    check("zarr.json")  # first: it names the state format, hence the other files
+    for f in metadata_files(_states(path))[1:]:
+        check(f)
 
 
 class HiddenStore:
