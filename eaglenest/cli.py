@@ -5,6 +5,8 @@
     eaglenest stores [data/hidden]      list stores grouped by extractor fingerprint
     eaglenest invalidate                list extractor fingerprints and the parts each one made
     eaglenest invalidate FP [--run]     re-extract exactly the parts made by extractor FP (prefix)
+    eaglenest profile                   list the params profiles (profiles/*.yaml)
+    eaglenest profile NAME [--dry-run]  write profile NAME's keys into params.yaml
 """
 import argparse
 import json
@@ -87,6 +89,24 @@ def cmd_invalidate(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from . import profile
+    if not args.name:
+        for p in sorted(Path(args.dir).glob("*.yaml")):
+            first = next((line.lstrip("# ").strip() for line in p.read_text().splitlines() if line.startswith("#")), "")
+            print(f"{p.stem:12s} {first}")
+        return 0
+    changes = profile.apply(Path(args.dir) / f"{args.name}.yaml", Path(args.params), dry_run=args.dry_run)
+    for key, old, new in changes:
+        print(f"{key}: {json.dumps(old, default=str)} -> {json.dumps(new, default=str)}")
+    verb = "would change" if args.dry_run else "changed"
+    print(f"profile {args.name}: {verb} {len(changes)} key(s) in {args.params}")
+    if not args.dry_run:
+        print(f"next: `dvc exp run -n {args.name}` (or `dvc repro`); `git checkout {args.params}` returns to the "
+              f"committed params")
+    return 0
+
+
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="eaglenest", description=__doc__,
@@ -107,6 +127,14 @@ def main(argv=None) -> None:
     inv.add_argument("--run", action="store_true", help="run the dvc commands (default: only print them)")
     inv.add_argument("--root", default="data/hidden")
     inv.set_defaults(fn=cmd_invalidate)
+    pr = sub.add_parser("profile", help="apply a params profile (profiles/NAME.yaml) to params.yaml",
+                        description="A profile holds only the keys that differ from params.yaml; applying it "
+                                    "sets each of them in params.yaml (comments kept). Without NAME: list them.")
+    pr.add_argument("name", nargs="?")
+    pr.add_argument("--dry-run", action="store_true", help="show the changes, write nothing")
+    pr.add_argument("--params", default="params.yaml")
+    pr.add_argument("--dir", default="profiles")
+    pr.set_defaults(fn=cmd_profile)
     args = ap.parse_args(argv)
     sys.exit(args.fn(args))
 

@@ -136,15 +136,17 @@ class Eagle3Attention(nn.Module):
         else:
             cache.diag_k.append(k)
             cache.diag_v.append(v)
-        if self.impl == "flex" and q_offset == 0 and Tq == cache.k0.shape[2]:
+        if self.impl == "flex" and isinstance(q_offset, int) and q_offset == 0 and Tq == cache.k0.shape[2]:
             from .ttt_attention import ttt_attention
             return ttt_attention(q, [cache.k0, *cache.diag_k], [cache.v0, *cache.diag_v])
         k0, v0 = cache.k0.repeat_interleave(rep, 1), cache.v0.repeat_interleave(rep, 1)
         scale = self.d ** -0.5
         s0 = (q @ k0.transpose(-1, -2)) * scale                              # [B, nh, Tq, T0]
-        cells = torch.arange(q_offset, q_offset + Tq, device=q.device)
-        causal = torch.arange(k0.shape[2], device=q.device)[None, :] > cells[:, None]
-        s0 = s0.masked_fill(causal, float("-inf"))
+        # q_offset: one first cell for the batch, or one per row [B] (rows of different lengths)
+        first = q_offset[:, None, None] if torch.is_tensor(q_offset) else q_offset
+        cells = first + torch.arange(Tq, device=q.device)[:, None]           # [Tq, 1] or [B, Tq, 1]
+        causal = torch.arange(k0.shape[2], device=q.device) > cells
+        s0 = s0.masked_fill(causal.unsqueeze(-3), float("-inf"))
         dk = [x.repeat_interleave(rep, 1) for x in cache.diag_k]
         dv = [x.repeat_interleave(rep, 1) for x in cache.diag_v]
         sd = [((q * x).sum(-1) * scale)[..., None] for x in dk]              # [B, nh, Tq, 1] each
@@ -240,9 +242,9 @@ class Eagle3Drafter(nn.Module):
 
     def step(self, x, emb, positions, cache: StepCache, q_offset: int = 0, w: dict | None = None) -> torch.Tensor:
         """One TTT step: x the hidden input (fc(aux) at step 0, the previous step's h after), emb the
-        token embeddings, positions [Tq] RoPE positions, w the layer's `weights()` (cast once per
-        unroll). Returns h [B, Tq, H] (pre-norm)."""
-        cos, sin = self.rotary(x, positions[None])
+        token embeddings, positions [Tq] (or per row [B, Tq]) RoPE positions, w the layer's
+        `weights()` (cast once per unroll). Returns h [B, Tq, H] (pre-norm)."""
+        cos, sin = self.rotary(x, positions if positions.dim() == 2 else positions[None])
         return self.midlayer(x, emb, cos, sin, cache, q_offset, w)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,24 @@
-"""Evaluate a drafter by offline speculative decoding against plain greedy decoding of the target."""
+"""Evaluate a drafter by speculative decoding against plain greedy decoding of the target: for each
+chain length k, mean acceptance length tau (bonus token counted, plain = 1.0), acceptance per draft
+position, the lossless check (output == greedy output), and the decoding speedup at batch 1.
+
+batch_size 1 decodes question by question (each timed); batch_size > 1 decodes that many
+questions at once (`batched_speculative`) and times batch-1 decoding on the first
+`speed_questions` only."""
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import batched_speculative
 from .drafter import Eagle3Drafter
 from .errors import EaglenestError
 from .speculative import TargetRunner, greedy_decode, speculative_decode
-from .target import Target, load_model, load_tokenizer
+from .target import Target, load_model, load_tokenizer, pick_device, stop_ids
 from .wheels import package_file
 
 log = logging.getLogger(__name__)
@@ -25,41 +33,95 @@ def mtbench_prompts(limit: int | None = None) -> list[dict]:
     return [{"id": r["question_id"], "category": r["category"], "text": r["turns"][0]} for r in rows][:limit]
 
 
-def evaluate(target: Target, drafter_dir: Path, prompts: list[dict], k: int, max_new_tokens: int,
-             dtype: str = "float32", device: str = "cpu", progress: bool = True) -> tuple[dict, list[dict]]:
+def acceptance(accepted: list[int], k: int) -> dict:
+    acc = np.asarray(accepted)
+    return {"tau": float(np.mean(acc + 1)) if len(acc) else 1.0,
+            "per_position": [float((acc > i).mean()) if len(acc) else 0.0 for i in range(k)],
+            "verifications": int(len(acc))}
+
+
+def evaluate(target: Target, drafter_dir: Path, prompts: list[dict], ks: list[int], max_new_tokens: int,
+             dtype: str = "float32", device: str = "cpu", batch_size: int = 1, speed_questions: int | None = None,
+             progress: bool = True) -> tuple[dict, list[dict]]:
+    device = pick_device(device)
     tok = load_tokenizer(target)
     model = load_model(target, dtype=dtype, device=device)
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=getattr(torch, dtype)).to(device).eval()
     if drafter.config.vocab_size != target.vocab_size:
         raise EaglenestError(f"{drafter_dir}: drafter vocab {drafter.config.vocab_size} != target {target.vocab_size}")
-    runner = TargetRunner(model, drafter.config.taps)
-    embed = model.get_input_embeddings()
-    eos = {tok.eos_token_id} | set(np.atleast_1d(model.generation_config.eos_token_id or []).tolist())
-    per_q, plain_t, spec_t, plain_n, spec_n, accepted, mismatches = [], 0.0, 0.0, 0, 0, [], 0
-    for p in tqdm(prompts, desc="evaluate", unit="q", disable=not progress):
-        ids = tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        g = greedy_decode(runner, ids, max_new_tokens, eos)
-        s = speculative_decode(runner, drafter, embed, ids, max_new_tokens, eos, k)
-        same = g.tokens == s.tokens
-        mismatches += not same
-        plain_t, spec_t = plain_t + g.seconds, spec_t + s.seconds
-        plain_n, spec_n = plain_n + len(g.tokens), spec_n + len(s.tokens)
-        accepted += s.accepted
-        per_q.append({"id": p["id"], "category": p["category"], "tokens": len(s.tokens), "identical": same,
-                      "tau": float(np.mean([a + 1 for a in s.accepted])) if s.accepted else None})
-    acc = np.asarray(accepted)
-    metrics = {
-        "questions": len(prompts), "k": k, "temperature": 0.0, "max_new_tokens": max_new_tokens,
-        "target_dtype": dtype, "tau": float(np.mean(acc + 1)) if len(acc) else 1.0,
-        "accept_rate_per_position": [float((acc > i).mean()) if len(acc) else 0.0 for i in range(k)],
-        "tokens_per_s_plain": round(plain_n / plain_t, 2), "tokens_per_s_spec": round(spec_n / spec_t, 2),
-        "speedup": round((spec_n / spec_t) / (plain_n / plain_t), 3),
-        "identical_to_greedy": len(prompts) - mismatches, "mismatches": mismatches,
-        "verifications": int(len(acc)),
-    }
-    if mismatches:
-        log.warning("%d of %d outputs differ from plain greedy decoding (numerical near-ties?)", mismatches,
-                    len(prompts))
+    taps, embed = drafter.config.taps, model.get_input_embeddings()
+    eos = stop_ids(model, tok) | {tok.eos_token_id}
+    ids = []
+    for p in prompts:
+        x = tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False)
+        ids.append(list(x["input_ids"] if isinstance(x, dict) else x))
+
+    # outputs per question: plain greedy, and per k the speculative tokens and accepted drafts
+    timed = ids[:speed_questions]
+    if batch_size > 1:
+        def run(k):
+            rows = []
+            for b in tqdm(range(0, len(ids), batch_size), desc=f"evaluate k={k}" if k else "evaluate greedy",
+                          unit="batch", disable=not progress):
+                rows += batched_speculative.decode(model, taps, ids[b:b + batch_size], max_new_tokens, eos, k,
+                                                   drafter, embed)
+            return rows
+        plain = [r.out for r in run(0)]
+        spec = {k: [(r.out, r.accepted) for r in run(k)] for k in ks}
+        speed = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, ks)
+    else:
+        runner = TargetRunner(model, taps)
+        plain, spec, clock = [], {k: [] for k in ks}, {k: [0, 0.0] for k in [None, *ks]}
+        for i, x in enumerate(tqdm(ids, desc="evaluate", unit="q", disable=not progress)):
+            runs = {None: greedy_decode(runner, x, max_new_tokens, eos)}
+            runs.update({k: speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k) for k in ks})
+            plain.append(runs[None].tokens)
+            for k in ks:
+                spec[k].append((runs[k].tokens, runs[k].accepted))
+            if i < len(timed):
+                for k, d in runs.items():
+                    clock[k][0] += len(d.tokens)
+                    clock[k][1] += d.seconds
+        speed = {"plain" if k is None else k: round(n / t, 2) if t else None for k, (n, t) in clock.items()}
+
+    metrics = {"questions": len(prompts), "k": list(ks), "temperature": 0.0, "max_new_tokens": max_new_tokens,
+               "target_dtype": dtype, "device": device, "batch_size": batch_size, "speed_questions": len(timed),
+               "tau": {}, "accept_rate_per_position": {}, "identical_to_greedy": {}, "mismatches": {},
+               "verifications": {}, "tokens_per_s_plain": speed["plain"], "tokens_per_s_spec": {}, "speedup": {}}
+    per_q = [{"id": p["id"], "category": p["category"], "tokens": len(g)} for p, g in zip(prompts, plain)]
+    for k in ks:
+        a = acceptance([x for _, acc in spec[k] for x in acc], k)
+        same = [toks == g for (toks, _), g in zip(spec[k], plain)]
+        key = str(k)
+        metrics["tau"][key], metrics["accept_rate_per_position"][key] = a["tau"], a["per_position"]
+        metrics["verifications"][key] = a["verifications"]
+        metrics["identical_to_greedy"][key], metrics["mismatches"][key] = sum(same), len(same) - sum(same)
+        metrics["tokens_per_s_spec"][key] = speed[k]
+        metrics["speedup"][key] = round(speed[k] / speed["plain"], 3) if speed["plain"] else None
+        for q, ok, (_, acc) in zip(per_q, same, spec[k]):
+            q[f"identical_k{k}"] = ok
+            q[f"tau_k{k}"] = float(np.mean([x + 1 for x in acc])) if acc else None
+        if len(same) > sum(same):
+            log.warning("k=%d: %d of %d outputs differ from plain greedy decoding: %s", k, len(same) - sum(same),
+                        len(same), [q["id"] for q, ok in zip(per_q, same) if not ok])
     return metrics, per_q
+
+
+def decode_speed(model, taps, drafter, embed, prompts: list[list[int]], max_new_tokens: int, eos: set,
+                 ks: list[int]) -> dict:
+    """Tokens/s of batch-1 plain greedy and speculative decoding (per k) over the same prompts."""
+    runner = TargetRunner(model, taps)
+    if prompts:  # warm-up: first calls pay allocator and kernel selection
+        greedy_decode(runner, prompts[0], 4, eos)
+        speculative_decode(runner, drafter, embed, prompts[0], 4, eos, ks[0])
+    out = {}
+    for k in [None, *ks]:
+        n, t0 = 0, time.perf_counter()
+        for x in prompts:
+            d = (greedy_decode(runner, x, max_new_tokens, eos) if k is None else
+                 speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k))
+            n += len(d.tokens)
+        dt = time.perf_counter() - t0
+        out["plain" if k is None else k] = round(n / dt, 2) if prompts and dt > 0 else None
+    return out

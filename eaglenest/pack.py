@@ -2,9 +2,11 @@
 vocabulary and train/val shards laid out for sequential reads.
 
     <out>/vocab.safetensors         selected, d2t (int64), t2d (bool)
-    <out>/{train,val}/<NNNNN>/      aux.npy [T,3,H] u16, final.npy [T,H] u16, input_ids.npy [T] i32,
-                                    loss_mask.npy [T] u8, in_vocab.npy [T] u8, offsets.npy [n+1] i64
-    <out>/manifest.json             fingerprints, taps, shard list
+    <out>/{train,val}/<NNNNN>/      the states as the stores keep them (`state_format`: bf16 aux.npy
+                                    [T,3,H] u16 + final.npy [T,H] u16; fp8 adds aux_scale/final_scale),
+                                    input_ids.npy [T] i32, loss_mask.npy [T] u8, in_vocab.npy [T] u8,
+                                    offsets.npy [n+1] i64
+    <out>/manifest.json             fingerprints, taps, state format, shard list
     <out>/index.parquet             per sample, in packed order: key, part, id, split, digest
 
 Samples are ordered by key (a hash: shuffled, deterministic, independent of part order); the
@@ -22,13 +24,18 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .atomic import write_json
-from .bf16 import from_bits
+from . import state_format
 from .errors import EaglenestError
 from .store import HiddenStore
 from .vocab import build_vocab, coverage
 
 log = logging.getLogger(__name__)
-ARRAYS = ("aux", "final", "input_ids", "loss_mask", "in_vocab")
+TOKEN_ARRAYS = ("input_ids", "loss_mask", "in_vocab")
+
+
+def packed_arrays(states: str) -> tuple[str, ...]:
+    """The .npy arrays of a shard: the stores' state arrays, then the per-token ones."""
+    return (*state_format.arrays(states, 0, 0), *TOKEN_ARRAYS)
 
 
 def is_val(key: str, val_fraction: float) -> bool:
@@ -47,10 +54,11 @@ def open_parts(parts: list[str], hidden_dir: Path, tokenized_dir: Path):
         stores.append(store)
     first = stores[0].attrs
     for s in stores[1:]:
-        for k in ("target_fingerprint", "taps", "hidden_size", "dtype"):
-            if s.attrs[k] != first[k]:
-                raise EaglenestError(f"part {s.part}: {k} {s.attrs[k]!r} differs from part {stores[0].part} "
-                                     f"({first[k]!r}); re-extract so every part matches")
+        for k in ("target_fingerprint", "taps", "hidden_size", "dtype", "states"):
+            mine, theirs = (s.states, stores[0].states) if k == "states" else (s.attrs[k], first[k])
+            if mine != theirs:
+                raise EaglenestError(f"part {s.part}: {k} {mine!r} differs from part {stores[0].part} "
+                                     f"({theirs!r}); re-extract so every part matches")
     return stores, masks
 
 
@@ -78,24 +86,29 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
     save_file({"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": t2d_t},
               str(tmp / "vocab.safetensors"))
 
-    A, H = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"]
-    shard_tokens = max(1, int(shard_mb * 2**20 / ((A + 1) * H * 2)))
+    A, H, states = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"], stores[0].states
+    row_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, A, H).values())
+    shard_tokens = max(1, int(shard_mb * 2**20 / row_bytes))
     head = lm_head.to(device=device, dtype=torch.bfloat16)
-    writers = {"train": ShardWriter(tmp / "train", shard_tokens), "val": ShardWriter(tmp / "val", shard_tokens)}
+    names = packed_arrays(states)
+    writers = {"train": ShardWriter(tmp / "train", shard_tokens, names),
+               "val": ShardWriter(tmp / "val", shard_tokens, names)}
     stats = {"train": [0, 0], "val": [0, 0]}
     in_vocab_hits = masked = 0
     index_rows = []
     for key, store, i, part, sid in tqdm(samples, desc="pack", unit="sample", disable=not progress):
-        ids, aux, final = store.read(i)  # digest-verified
+        ids, stored = store.read_stored(i)  # digest-verified; kept in the stores' format
         tok_ids, mask = masks[part][sid]
         if not np.array_equal(ids, tok_ids):
             raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
         with torch.inference_mode():
-            top = (from_bits(final).to(device) @ head.T).argmax(-1).cpu()
+            final = state_format.decode_tensor({k: torch.from_numpy(np.ascontiguousarray(v))
+                                                for k, v in stored.items()}, "final", states)
+            top = (final.to(device) @ head.T).argmax(-1).cpu()
         in_vocab = t2d_t[top].numpy().astype(np.uint8)
         split = "val" if is_val(key, val_fraction) else "train"
         index_rows.append({"key": key, "part": part, "id": sid, "split": split, "digest": store.index[i]["digest"]})
-        writers[split].add(aux=aux, final=final, input_ids=ids, loss_mask=mask, in_vocab=in_vocab)
+        writers[split].add(**stored, input_ids=ids, loss_mask=mask, in_vocab=in_vocab)
         stats[split][0] += 1
         stats[split][1] += len(ids)
         masked += int(mask.sum())
@@ -104,7 +117,8 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
     if stats["train"][0] == 0:
         raise EaglenestError("pack: no training samples (too few samples or val_fraction too high)")
     manifest = {"target_fingerprint": stores[0].attrs["target_fingerprint"], "taps": stores[0].attrs["taps"],
-                "hidden_size": H, "vocab_size": int(len(t2d)), "draft_vocab_size": int(draft_vocab_size),
+                "hidden_size": H, "states": states, "vocab_size": int(len(t2d)),
+                "draft_vocab_size": int(draft_vocab_size),
                 "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores}, "shards": shards,
                 "val_fraction": val_fraction}
     write_json(tmp / "manifest.json", manifest)
@@ -124,15 +138,15 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
 class ShardWriter:
     """Accumulates samples and writes a shard directory of .npy arrays once it reaches shard_tokens."""
 
-    def __init__(self, root: Path, shard_tokens: int):
-        self.root, self.shard_tokens = Path(root), shard_tokens
+    def __init__(self, root: Path, shard_tokens: int, names: tuple[str, ...]):
+        self.root, self.shard_tokens, self.names = Path(root), shard_tokens, names
         self.root.mkdir(parents=True, exist_ok=True)
-        self.buf = {k: [] for k in ARRAYS}
+        self.buf = {k: [] for k in names}
         self.n = 0
         self.shards = []
 
     def add(self, **arrays) -> None:
-        for k in ARRAYS:
+        for k in self.names:
             self.buf[k].append(arrays[k])
         self.n += len(arrays["input_ids"])
         if self.n >= self.shard_tokens:
@@ -144,11 +158,11 @@ class ShardWriter:
         d = self.root / f"{len(self.shards):05d}"
         d.mkdir()
         lengths = [len(x) for x in self.buf["input_ids"]]
-        for k in ARRAYS:
+        for k in self.names:
             np.save(d / f"{k}.npy", np.concatenate(self.buf[k]))
         np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         self.shards.append({"dir": d.name, "samples": len(lengths), "tokens": self.n})
-        self.buf = {k: [] for k in ARRAYS}
+        self.buf = {k: [] for k in self.names}
         self.n = 0
 
     def close(self) -> list:

@@ -1,4 +1,6 @@
-"""Read packed training shards (memory-mapped .npy, sequential) and build padded batches."""
+"""Read packed training shards (memory-mapped .npy, sequential) and build padded batches. The
+states stay in the stores' format (`state_format`) until the trainer's device decodes them:
+fp8 states cross the host and PCIe at half the bytes."""
 import json
 from pathlib import Path
 
@@ -6,9 +8,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from .bf16 import from_bits
+from . import state_format
 from .errors import EaglenestError
-from .pack import ARRAYS
+from .pack import TOKEN_ARRAYS, packed_arrays
 
 
 class PackedSplit:
@@ -17,10 +19,12 @@ class PackedSplit:
         if not (root / "manifest.json").is_file():
             raise EaglenestError(f"{root}: not a packed dataset (run the pack stage)")
         self.manifest = json.loads((root / "manifest.json").read_text())
+        self.states = self.manifest.get("states", "bf16")
+        self.names = packed_arrays(self.states)
         self.shards, self.samples = [], []
         for s in self.manifest["shards"][split]:
             d = root / split / s["dir"]
-            arrays = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in (*ARRAYS, "offsets")}
+            arrays = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in (*self.names, "offsets")}
             off = arrays["offsets"]
             for j in range(len(off) - 1):
                 self.samples.append((len(self.shards), int(off[j]), int(off[j + 1] - off[j])))
@@ -34,7 +38,7 @@ class PackedSplit:
 
     def get(self, i: int) -> dict:
         s, a, n = self.samples[i]
-        return {k: self.shards[s][k][a:a + n] for k in ARRAYS}
+        return {k: self.shards[s][k][a:a + n] for k in self.names}
 
     @property
     def n_tokens(self) -> int:
@@ -62,16 +66,23 @@ def epoch_batches(split: PackedSplit, epoch: int, seed: int, batch_tokens: int) 
 
 
 def collate(split: PackedSplit, idx: list[int]) -> dict:
-    """Right-padded tensors: aux [B,T,A,H] / final [B,T,H] bf16, ids/mask/in_vocab [B,T]."""
+    """Right-padded tensors [B, T, ...]: the state arrays as stored (`decode_states` turns them into
+    aux [B,T,A,H] / final [B,T,H] bf16), input_ids/loss_mask/in_vocab int64."""
     items = [split.get(i) for i in idx]
     T = max(len(x["input_ids"]) for x in items)
-    A, H = items[0]["aux"].shape[1:]
-    aux = np.zeros((len(items), T, A, H), np.uint16)
-    final = np.zeros((len(items), T, H), np.uint16)
-    ints = {k: np.zeros((len(items), T), np.int64) for k in ("input_ids", "loss_mask", "in_vocab")}
+    out = {k: np.zeros((len(items), T, *items[0][k].shape[1:]),
+                       np.int64 if k in TOKEN_ARRAYS else items[0][k].dtype) for k in split.names}
     for b, x in enumerate(items):
         n = len(x["input_ids"])
-        aux[b, :n], final[b, :n] = x["aux"], x["final"]
-        for k in ints:
-            ints[k][b, :n] = x[k]
-    return {"aux": from_bits(aux), "final": from_bits(final), **{k: torch.from_numpy(v) for k, v in ints.items()}}
+        for k in split.names:
+            out[k][b, :n] = x[k]
+    # torch has no arithmetic on uint16: bf16 bit patterns travel as int16
+    return {k: torch.from_numpy(v.view(np.int16) if v.dtype == np.uint16 else v) for k, v in out.items()}
+
+
+def decode_states(batch: dict, states: str) -> dict:
+    """A collated batch with its stored state arrays replaced by bf16 aux and final (on the
+    batch's device); the same values `HiddenStore.read` gives."""
+    stored = {k: batch[k] for k in state_format.arrays(states, 0, 0)}
+    aux, final = state_format.decode_tensors(stored, states)
+    return {**{k: v for k, v in batch.items() if k not in stored}, "aux": aux, "final": final}

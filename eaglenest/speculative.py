@@ -1,7 +1,6 @@
 """Offline speculative decoding with the target (HF, KV cache) and an EAGLE-3 drafter (DESIGN §10):
 chain drafting of k tokens, greedy verification. Lossless: the output is the target's greedy
 decoding. Acceptance length counts the bonus token (no speculation = 1.0, SGLang's convention)."""
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -9,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from .drafter import Eagle3Drafter, StepCache
+from .kv_cache import cache_kwarg
 
 
 @dataclass
@@ -23,9 +23,7 @@ class TargetRunner:
     def __init__(self, model, taps: list[int]):
         self.model, self.taps = model, list(taps)
         self.device = next(model.parameters()).device
-        # transformers renamed the cache argument (past_key_values -> cache, 5.2x): use what this one takes
-        params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = cache_kwarg(model)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], cache: DynamicCache, start: int, taps: bool = True):

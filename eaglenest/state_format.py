@@ -60,13 +60,22 @@ def as_numpy(stored: dict[str, torch.Tensor], states: str) -> dict[str, np.ndarr
     return {k: t.contiguous().numpy().view(spec[k][1]) for k, t in stored.items()}
 
 
+def decode_tensor(stored: dict[str, torch.Tensor], name: str, states: str) -> torch.Tensor:
+    """`aux` or `final` as a bfloat16 tensor, on the tensors' device (the trainer decodes on its GPU)."""
+    if states == "bf16":
+        return stored[name].view(torch.bfloat16)
+    q = stored[name].view(torch.float8_e4m3fn)
+    return (q.float() * stored[name + "_scale"].unsqueeze(-1)).to(torch.bfloat16)
+
+
+def decode_tensors(stored: dict[str, torch.Tensor], states: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return decode_tensor(stored, "aux", states), decode_tensor(stored, "final", states)
+
+
 def decode(stored: dict[str, np.ndarray], states: str) -> tuple[np.ndarray, np.ndarray]:
     """(aux, final) as uint16 bfloat16 bit patterns, whatever the format."""
     if states == "bf16":
         return stored["aux"], stored["final"]
-    out = []
-    for name in ("aux", "final"):
-        q = torch.from_numpy(np.ascontiguousarray(stored[name])).view(torch.float8_e4m3fn)
-        s = torch.from_numpy(np.ascontiguousarray(stored[name + "_scale"]))
-        out.append((q.float() * s.unsqueeze(-1)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
-    return out[0], out[1]
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in stored.items()}
+    aux, final = decode_tensors(t, states)
+    return aux.view(torch.int16).numpy().view(np.uint16), final.view(torch.int16).numpy().view(np.uint16)

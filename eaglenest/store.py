@@ -173,9 +173,8 @@ class HiddenStore:
     def n_tokens(self) -> int:
         return sum(r["length"] for r in self.index)
 
-    def read(self, i: int, verify: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i: bfloat16
-        bit patterns, decoded from the stored format."""
+    def read_stored(self, i: int, verify: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(input_ids int32 [n], the state arrays of sample i as stored: `state_format.arrays`)."""
         r = self.index[i]
         sl = slice(r["start"], r["start"] + r["length"])
         try:
@@ -186,7 +185,13 @@ class HiddenStore:
         if verify and sample_digest(stored) != r["digest"]:
             raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
                                  f"digest mismatch: stored bytes are corrupt")
-        return (stored.pop("input_ids"), *state_format.decode(stored, self.states))
+        return stored.pop("input_ids"), stored
+
+    def read(self, i: int, verify: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i: bfloat16
+        bit patterns, decoded from the stored format."""
+        ids, stored = self.read_stored(i, verify)
+        return (ids, *state_format.decode(stored, self.states))
 
     def describe(self) -> dict:
         return {"path": str(self.path), "samples": len(self), "tokens": self.n_tokens, **self.attrs}
@@ -204,7 +209,7 @@ def verify_store(path: Path, progress: bool = True) -> list[str]:
     bad = []
     for i in tqdm(range(len(store)), desc=f"verify {store.part}", unit="sample", disable=not progress):
         try:
-            store.read(i)
+            store.read_stored(i)
         except EaglenestError as e:
             bad.append(str(e))
     return bad

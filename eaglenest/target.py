@@ -147,15 +147,32 @@ def load_tokenizer(target: Target):
     return AutoTokenizer.from_pretrained(target.model_dir, local_files_only=True)
 
 
+def pick_device(device: str) -> str:
+    """`auto`: the GPU when there is one."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def load_model(target: Target, dtype: str = "bfloat16", device: str = "cpu", attn: str = "sdpa",
                trust_remote_code: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
     quiet_transformers()
+    device = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(target.model_dir, local_files_only=True,
                                                  dtype=getattr(torch, dtype), attn_implementation=attn,
                                                  trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+def stop_ids(model, tok) -> set[int]:
+    """End-of-turn ids: the generation config's (some transformers versions report a GGUF
+    tokenizer's eos as <|im_start|>; the generation config holds <|im_end|>)."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    return ids or {tok.eos_token_id}
 
 
 def load_heads(target: Target) -> dict:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .drafter import DrafterConfig, Eagle3Drafter
 from .errors import EaglenestError
 from .hashing import sha256_file, sha256_text
-from .packed import PackedSplit, collate, epoch_batches, load_vocab
+from .packed import PackedSplit, collate, decode_states, epoch_batches, load_vocab
 from .target import Target, load_heads
 from .ttt import ttt_loss
 
@@ -60,7 +60,8 @@ class FrozenEmbedding(torch.nn.Module):
         return torch.nn.functional.embedding(ids, self.weight).float()
 
 
-TRAINING_CODE = ("train.py", "ttt.py", "fused_loss.py", "drafter.py", "ttt_attention.py", "packed.py")
+TRAINING_CODE = ("train.py", "ttt.py", "fused_loss.py", "drafter.py", "ttt_attention.py", "packed.py",
+                 "state_format.py")
 
 
 def training_code_digest() -> str:
@@ -186,9 +187,10 @@ class Trainer:
 
     # --- steps ----------------------------------------------------------------------------------
     def _to_dev(self, b: dict) -> dict:
-        # hidden states arrive as bf16; master math is fp32 (autocast, when on, picks bf16 kernels)
-        return {k: (v.to(self.device, non_blocking=True).float() if v.is_floating_point() else
-                    v.to(self.device, non_blocking=True)) for k, v in b.items()}
+        # hidden states arrive as stored (bf16 bits or fp8 + scales) and are decoded on the device;
+        # master math is fp32 (autocast, when on, picks bf16 kernels)
+        b = decode_states({k: v.to(self.device, non_blocking=True) for k, v in b.items()}, self.train_split.states)
+        return {k: v.float() if v.is_floating_point() else v for k, v in b.items()}
 
     def load_step(self, micro: list[list[int]]) -> tuple[list, list[dict]]:
         """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's

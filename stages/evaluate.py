@@ -1,15 +1,23 @@
-"""Stage `evaluate`: offline speculative decoding on the MT-bench first turns with the target and
-data/drafter; compares to plain greedy decoding (must be identical) and measures acceptance.
+"""Stage `evaluate`: speculative decoding on the MT-bench first turns with the target and
+data/drafter, for each chain length in evaluate.k; compares to plain greedy decoding (must be
+identical) and measures acceptance and the batch-1 decoding speedup.
 
-    python -m stages.evaluate     (params: evaluate.questions, evaluate.k, evaluate.max_new_tokens, evaluate.dtype)
-Writes metrics/evaluate.json and metrics/evaluate_positions.csv (acceptance per draft position).
+    python -m stages.evaluate
+    params: evaluate.questions, k (an int or a list), max_new_tokens, dtype, device, batch_size
+            (questions decoded at once; >1 on a GPU), speed_questions (timed at batch 1; null = all),
+            min_tau (the quality gate)
+Writes metrics/evaluate.json, metrics/evaluate_positions.csv (acceptance per k and draft position)
+and metrics/evaluate_questions.json (outputs that differ from greedy decoding are counted and
+named there, and warned about). The quality gate: if tau at any k is below evaluate.min_tau, the
+stage fails (exit 2) after writing the metrics, so a defective drafter (or the hidden states it
+learned from) never passes `dvc repro` quietly.
 """
 import argparse
 import csv
 from pathlib import Path
 
 from eaglenest.atomic import write_json
-from eaglenest.errors import exit_on_error
+from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.evaluate import evaluate, mtbench_prompts
 from eaglenest.target import load_target
 
@@ -20,18 +28,31 @@ from . import _params
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", default="data/drafter")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     p = _params.load("evaluate")
+    ks = [int(k) for k in (p["k"] if isinstance(p["k"], list) else [p["k"]])]
+    if not ks or min(ks) < 1:
+        raise EaglenestError(f"evaluate.k must be a chain length >= 1 or a list of them, got {p['k']!r}")
+    min_tau = p.get("min_tau")
     metrics, per_q = evaluate(load_target(Path("data/target")), Path(args.drafter), mtbench_prompts(p["questions"]),
-                              k=int(p["k"]), max_new_tokens=int(p["max_new_tokens"]), dtype=p.get("dtype", "float32"),
-                              device=p.get("device", "cpu"))
+                              ks, max_new_tokens=int(p["max_new_tokens"]), dtype=p.get("dtype", "float32"),
+                              device=p.get("device", "cpu"), batch_size=int(p.get("batch_size", 1)),
+                              speed_questions=p.get("speed_questions"), progress=not args.no_progress)
+    low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}
+    metrics["min_tau"], metrics["gate_passed"] = min_tau, not low
     write_json(Path("metrics/evaluate.json"), metrics)
     with open("metrics/evaluate_positions.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["position", "acceptance"])
-        for i, a in enumerate(metrics["accept_rate_per_position"]):
-            w.writerow([i + 1, round(a, 5)])
+        w.writerow(["k", "position", "acceptance"])
+        for k, rates in metrics["accept_rate_per_position"].items():
+            for i, a in enumerate(rates):
+                w.writerow([k, i + 1, round(a, 5)])
     write_json(Path("metrics/evaluate_questions.json"), per_q)
+    if low:
+        raise EaglenestError(f"quality gate: tau {', '.join(f'{t:.3f} at k={k}' for k, t in low.items())} below "
+                             f"evaluate.min_tau {min_tau}; the drafter (or the hidden states it was trained on) is "
+                             f"not fit to ship. Metrics: metrics/evaluate.json")
 
 
 if __name__ == "__main__":

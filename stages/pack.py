@@ -1,6 +1,7 @@
 """Stage `pack`: every part's store -> draft vocabulary + train/val shards (data/packed).
 
-    python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb)
+    python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb,
+                                pack.device: where the teacher's argmax over the vocabulary is computed)
 """
 import argparse
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 from eaglenest.atomic import write_json
 from eaglenest.errors import exit_on_error
 from eaglenest.pack import pack
-from eaglenest.target import load_heads, load_target
+from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params
 
@@ -24,7 +25,7 @@ def main(argv=None) -> None:
     metrics = pack(params["data"]["parts"], Path("data/hidden"), Path("data/tokenized"), Path("data/packed"),
                    lm_head=load_heads(target)["lm_head"], draft_vocab_size=int(p["draft_vocab_size"]),
                    val_fraction=float(p["val_fraction"]), shard_mb=float(p.get("shard_mb", 256)),
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, device=pick_device(p.get("device", "auto")))
     write_json(Path("metrics/pack.json"), metrics)
 
 

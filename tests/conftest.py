@@ -103,17 +103,16 @@ def base_params(**over) -> dict:
     return p
 
 
-@pytest.fixture(scope="session")
-def tiny_packed(tiny_target, tmp_path_factory):
-    """Two parts of random token sequences extracted from the tiny target and packed; returns a
-    stage workspace holding data/target and data/packed."""
+def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
+    """Two parts of random token sequences extracted from the tiny target (states in `states`)
+    and packed; returns a stage workspace holding data/target and data/packed."""
     import pyarrow as pa
     from eaglenest.backends.hf import HFBackend
     from eaglenest.extract import extract_part
     from eaglenest.extractor import resolve_taps
     from eaglenest.pack import pack
     from eaglenest.target import load_heads
-    ws = stage_workspace(tmp_path_factory.mktemp("packed") / "ws", tiny_target, base_params())
+    ws = stage_workspace(root, tiny_target, base_params())
     taps = resolve_taps("auto", tiny_target.num_layers)
     rng = np.random.default_rng(7)
     for part, seed in (("a", 1), ("b", 2)):
@@ -126,14 +125,20 @@ def tiny_packed(tiny_target, tmp_path_factory):
                                  "loss_mask": [m.tolist() for m in masks], "n_tokens": [len(s) for s in seqs]},
                                 schema=SCHEMA), tok)
         extract_part(part=part, tokenized=tok, target=tiny_target,
-                     backend=HFBackend(tiny_target, taps, device="cpu"), taps=taps, dtype="bfloat16", revision=0,
-                     layout_cfg=dict(chunk_mb=0.01, shard_mb=0.1, codec="zstd", level=1),
+                     backend=HFBackend(tiny_target, taps, device="cpu", states=states), taps=taps,
+                     dtype="bfloat16", revision=0,
+                     layout_cfg=dict(chunk_mb=0.01, shard_mb=0.1, codec="zstd", level=1, states=states),
                      validate_cfg={"samples": 2}, out_dir=ws / "data" / "hidden" / part,
                      work_root=ws / ".eaglenest" / "work", batch_tokens=512, max_seq_len=64, progress=False)
     pack(["a", "b"], ws / "data" / "hidden", ws / "data" / "tokenized", ws / "data" / "packed",
          lm_head=load_heads(tiny_target)["lm_head"], draft_vocab_size=48, val_fraction=0.15, shard_mb=0.05,
          progress=False)
     return ws
+
+
+@pytest.fixture(scope="session")
+def tiny_packed(tiny_target, tmp_path_factory):
+    return build_packed(tmp_path_factory.mktemp("packed") / "ws", tiny_target)
 
 
 def train_params(**over) -> dict:

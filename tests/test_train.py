@@ -14,7 +14,7 @@ from eaglenest.packed import PackedSplit
 from eaglenest.speculative import TargetRunner, greedy_decode, speculative_decode
 from eaglenest.target import load_model
 
-from .conftest import random_samples, run_py, train_params
+from .conftest import build_packed, random_samples, run_py, train_params
 
 
 def workspace_copy(src, dst, **train_over):
@@ -37,6 +37,31 @@ def test_pack_layout_and_vocab(tiny_packed):
     assert len(train) + len(val) == 48 and len(val) > 0
     metrics = json.loads((tiny_packed / "data/packed/manifest.json").read_text())
     assert metrics["draft_vocab_size"] == 48 and len(metrics["shards"]["train"]) > 1
+
+
+def test_fp8_states_stay_fp8_in_the_pack_and_decode_to_the_stores_values(tiny_target, tmp_path):
+    import pyarrow.parquet as pq
+    from eaglenest.bf16 import from_bits
+    from eaglenest.packed import collate, decode_states
+    from eaglenest.store import HiddenStore
+    ws = build_packed(tmp_path / "ws", tiny_target, states="fp8")
+    packed = ws / "data/packed"
+    assert json.loads((packed / "manifest.json").read_text())["states"] == "fp8"
+    shard = packed / "train" / "00000"
+    assert np.load(shard / "aux.npy").dtype == np.uint8 and (shard / "aux_scale.npy").is_file()
+    split = PackedSplit(packed, "train")
+    rows = [r for r in pq.read_table(packed / "index.parquet").to_pylist() if r["split"] == "train"]
+    stores = {p: HiddenStore(ws / "data/hidden" / p) for p in ("a", "b")}
+    pos = {(p, r["id"]): i for p, s in stores.items() for i, r in enumerate(s.index)}
+    for i in (0, 5, len(split) - 1):
+        b = decode_states(collate(split, [i, 0]), split.states)
+        _, aux, final = stores[rows[i]["part"]].read(pos[(rows[i]["part"], rows[i]["id"])])
+        n = len(aux)
+        assert b["aux"].dtype == torch.bfloat16 and torch.equal(b["aux"][0, :n], from_bits(aux))
+        assert torch.equal(b["final"][0, :n], from_bits(final)) and not b["aux"][0, n:].any()
+    # the trainer reads it as it reads bf16 packs
+    run_py(["-m", "stages.train"], cwd=workspace_copy(ws, tmp_path / "train", epochs=1))
+    assert (tmp_path / "train/data/drafter/model.safetensors").is_file()
 
 
 def test_resume_reproduces_the_uninterrupted_loss_curve(tiny_packed, tmp_path):

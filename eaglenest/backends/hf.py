@@ -9,16 +9,10 @@ import torch
 
 from .. import state_format
 from ..errors import EaglenestError
-from ..target import Target, load_model
+from ..target import Target, load_model, pick_device
 from ..versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 class HFBackend:

@@ -1,0 +1,207 @@
+"""The GPU profile's `dvc repro` on a lent GPU machine, in calls of at most 10 minutes each.
+
+    python -m bench.gpu_profile setup [--profile gpu] [-S section.key=yaml ...]
+        copy this checkout's code to a work repo outside it (--workdir, default ~/run: it survives
+        between calls while the machine is warm, and its dvc.lock and DVC cache are the machine's
+        own), apply the profile (and -S overrides) to its params.yaml, git-commit it.
+    python -m bench.gpu_profile run [--budget 540]
+        `dvc repro --single-item` each stage in pipeline order, timing each; starts no stage once the
+        budget is spent, and stops a stage still running at the budget (training resumes from its
+        checkpoint next call). Prints what is left.
+    python -m bench.gpu_profile report [--out DIR]
+        gathers the stage times and metrics into gpu_profile.json (bench/results/ format).
+
+Each call starts by running `setup` again: code edits here reach the machine, the work repo's
+dvc.lock and data stay. See bench/gpu_carry.py for getting the packages and data there first."""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP = {".git", ".carry", ".venv", ".venv-sglang", "data", "metrics", "dvc.lock", ".eaglenest", "dvclive",
+        "__pycache__", ".pytest_cache"}
+TIMES = "bench/out/gpu_profile_times.json"
+
+
+def sh(cmd: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, check=True, text=True, **kw)
+
+
+def setup(work: Path, profile: str, sets: list[str]) -> None:
+    sys.path.insert(0, str(REPO))
+    from eaglenest import profile as prof
+    fresh = not work.exists()
+    work.mkdir(parents=True, exist_ok=True)
+    for item in REPO.iterdir():
+        if item.name in SKIP:
+            continue
+        dst = work / item.name
+        if item.is_dir():
+            shutil.copytree(item, dst, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "cache", "tmp", "out"))
+        else:
+            shutil.copy2(item, dst)
+    for d in ("data", "metrics"):  # DVC's .gitignore files and the tracked part pointers
+        shutil.copytree(REPO / d, work / d, dirs_exist_ok=True, ignore=lambda p, names: [
+            n for n in names if not (n.endswith(".dvc") or n == ".gitignore" or (Path(p) / n).is_dir())])
+    if fresh and (REPO / "dvc.lock").exists():
+        shutil.copy2(REPO / "dvc.lock", work / "dvc.lock")
+    changes = prof.apply(work / "profiles" / f"{profile}.yaml", work / "params.yaml")
+    if sets:  # the same rule as a profile: each section.key must exist
+        import yaml
+        extra = {}
+        for s in sets:
+            key, value = s.split("=", 1)
+            section, name = key.split(".", 1)
+            extra.setdefault(section, {})[name] = yaml.safe_load(value)
+        path = work / "bench" / "out" / "set.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(extra))
+        changes += prof.apply(path, work / "params.yaml")
+    local = work / ".dvc" / "config.local"
+    if not local.exists():  # hash tens of GB with every core (DVC's default is 4 threads)
+        local.write_text(f"[core]\n    checksum_jobs = {os.cpu_count() or 4}\n")
+    print(f"{work}: profile {profile}, {len(changes)} key(s) set")
+    if not (work / ".git").exists():
+        sh(["git", "init", "-q"], work)
+    sh(["git", "add", "-A"], work)
+    sh(["git", "-c", "user.email=gpu@eaglenest", "-c", "user.name=gpu", "commit", "-q", "--allow-empty", "-m",
+        "gpu profile"], work)
+
+
+def stages(work: Path) -> list[str]:
+    out = subprocess.run(["dvc", "stage", "list", "--name-only"], cwd=work, check=True, text=True,
+                         capture_output=True).stdout
+    return [s for s in out.split() if s]
+
+
+def run(work: Path, budget: float, min_left: float) -> None:
+    t0 = time.time()
+    times_path = work / TIMES
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    for stage in stages(work):
+        left = budget - (time.time() - t0)
+        if left < min_left:
+            print(f"budget spent; next: {stage}")
+            return
+        t = time.time()
+        p = subprocess.Popen(["dvc", "repro", "--single-item", stage], cwd=work, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        lines = []
+        log = work / "bench" / "out" / "logs" / f"{stage}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            for line in p.stdout:
+                lines.append(line)
+                with open(log, "a") as f:
+                    f.write(line)
+                if "Running stage" in line or "ERROR" in line or line.startswith("20") or "INFO" in line:
+                    print(line, end="", flush=True)
+                if time.time() - t0 > budget:
+                    raise TimeoutError
+            p.wait()
+        except TimeoutError:
+            os.killpg(p.pid, signal.SIGINT)  # DVC cleans up on an interrupt; the trainer keeps its checkpoint
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+            times[stage] = times.get(stage, 0) + (time.time() - t)
+            times_path.parent.mkdir(parents=True, exist_ok=True)
+            times_path.write_text(json.dumps(times, indent=1))
+            print(f"stopped {stage} at the budget after {time.time() - t:.0f} s; it resumes next call")
+            return
+        if p.returncode != 0:
+            print("".join(lines[-40:]))
+            sys.exit(f"{stage} failed ({p.returncode})")
+        if any("Running stage" in ln for ln in lines):
+            times[stage] = round(times.get(stage, 0) + (time.time() - t), 1)
+            times_path.parent.mkdir(parents=True, exist_ok=True)
+            times_path.write_text(json.dumps(times, indent=1))
+            print(f"== {stage}: {times[stage]:.1f} s", flush=True)
+    print("all stages done")
+
+
+def report(work: Path, out: Path) -> None:
+    m = work / "metrics"
+
+    def load(rel):
+        p = m / rel
+        return json.loads(p.read_text()) if p.exists() else {}
+    times = json.loads((work / TIMES).read_text())
+    ev, tr, pk = load("evaluate.json"), load("train.json"), load("pack.json")
+    parts = {p.stem: p for p in (m / "generate").glob("*.json")}
+    gen = {k: json.loads(p.read_text()) for k, p in parts.items()}
+    ext = {p.stem: json.loads(p.read_text()) for p in (m / "extract").glob("*.json")}
+    tok = {p.stem: json.loads(p.read_text()) for p in (m / "tokenize").glob("*.json")}
+    by_kind = {}
+    for stage, s in times.items():
+        kind = stage.split("@")[0]
+        by_kind[kind] = round(by_kind.get(kind, 0) + s, 1)
+    res = {
+        "tau": ev.get("tau"), "accept_per_position": ev.get("accept_rate_per_position"),
+        "questions": ev.get("questions"), "identical_to_greedy": ev.get("identical_to_greedy"),
+        "speedup": ev.get("speedup"), "tokens_per_s_plain": ev.get("tokens_per_s_plain"),
+        "tokens_per_s_spec": ev.get("tokens_per_s_spec"), "max_new_tokens": ev.get("max_new_tokens"),
+        "specforge_tau_ratio": None,
+        "wall_s": {"total": round(sum(times.values()), 1), **by_kind},
+        "wall_s_per_stage": times,
+        "conversations": sum(g.get("conversations_kept", g.get("conversations", 0)) for g in gen.values()),
+        "generate": {"turns_regenerated": sum(g.get("regenerated", 0) for g in gen.values()),
+                     "turns_total": sum(g.get("assistant_turns", 0) for g in gen.values()),
+                     "cut_at_max_tokens": sum(g.get("cut_at_max_tokens", 0) for g in gen.values()),
+                     "cut_at_context": sum(g.get("cut_at_context", 0) for g in gen.values()),
+                     "skipped_context": sum(g.get("skipped_context", 0) for g in gen.values()),
+                     "skipped_empty": sum(g.get("skipped_empty", 0) for g in gen.values()),
+                     "generated_tokens": sum(g.get("generated_tokens", 0) for g in gen.values()),
+                     "decode_s": round(sum(g.get("decode_seconds", 0) for g in gen.values()), 1)},
+        "tokenized_tokens": sum(t.get("tokens", 0) for t in tok.values()),
+        "loss_tokens": sum(t.get("loss_tokens", 0) for t in tok.values()),
+        "extract": {k: {"tokens_per_s": e.get("tokens_per_s"), "gate_passed": e.get("validation", {}).get("passed")}
+                    for k, e in ext.items()},
+        "train_tokens": pk.get("train_tokens"), "pack": pk,
+        "train": {k: tr.get(k) for k in ("epochs", "steps", "tokens_per_s", "train_loss", "val_loss",
+                                         "val_acc_per_step", "val_simulated_tau")},
+    }
+    g = res["generate"]
+    g["tokens_per_s"] = round(g["generated_tokens"] / g["decode_s"], 1) if g["decode_s"] else None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_profile.json").write_text(json.dumps(res, indent=1) + "\n")
+    for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json"):
+        if (m / rel).exists():
+            shutil.copy(m / rel, out / rel)
+    with open(out / "stage_logs.txt", "w") as f:  # the end of each stage's output
+        for log in sorted((work / "bench" / "out" / "logs").glob("*.log")):
+            f.write(f"==== {log.stem}\n" + "".join(log.read_text(errors="replace").splitlines(True)[-25:]))
+    print(json.dumps(res, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path.home() / "run")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("setup")
+    s.add_argument("--profile", default="gpu")
+    s.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value, after the profile")
+    r = sub.add_parser("run")
+    r.add_argument("--budget", type=float, default=540)
+    r.add_argument("--min-left", type=float, default=60, help="start no stage with less than this left")
+    o = sub.add_parser("report")
+    o.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    a = ap.parse_args()
+    if a.cmd == "setup":
+        setup(a.workdir, a.profile, a.sets)
+    elif a.cmd == "run":
+        run(a.workdir, a.budget, a.min_left)
+    else:
+        report(a.workdir, a.out)
+
+
+if __name__ == "__main__":
+    main()

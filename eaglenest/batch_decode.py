@@ -1,0 +1,109 @@
+"""Batched decoding of many prompts with a transformers causal LM: prompts sorted by length and
+grouped under a token budget, left-padded, one KV cache per batch; rows leave the batch as they
+finish (end of turn or their own token limit), so long answers do not keep short ones computing.
+Greedy (temperature 0) or sampled from softmax(logits / temperature) with a seeded generator."""
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import cache_kwarg, growing_cache
+
+CHECK_EVERY = 8  # steps between looks at which rows finished (each look waits for the GPU)
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]   # generated ids, the end-of-turn id excluded
+    ended: bool         # stopped at an end-of-turn id (else at its token limit)
+
+
+def plan_batches(lengths: list[int], max_new: list[int], batch_tokens: int, max_rows: int) -> list[list[int]]:
+    """Indices grouped longest first, while rows x (longest prompt + largest limit) fits the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur, width = [], [], 0
+    for i in order:
+        w = max(width, lengths[i] + max_new[i])
+        if cur and ((len(cur) + 1) * w > batch_tokens or len(cur) >= max_rows):
+            batches.append(cur)
+            cur, w = [], lengths[i] + max_new[i]
+        cur.append(i)
+        width = w
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[int], pad_id: int,
+                 temperature: float = 0.0, generator: torch.Generator | None = None, on_tokens=None) -> list[Decoded]:
+    dev = next(model.parameters()).device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = torch.tensor(p)
+        attn[r, L - len(p):] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    limit = torch.tensor(max_new, device=dev)
+    eos_t = torch.tensor(sorted(eos), device=dev)
+    cache, kw = growing_cache(reserve=L + max(max_new)), cache_kwarg(model)
+
+    def forward(x, mask, position):
+        out = model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1,
+                    **{kw: cache})
+        logits = out.logits[:, -1].float()
+        if temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / temperature, -1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    rows = torch.arange(B, device=dev)          # original row of each live batch row
+    W = max(max_new)
+    out = torch.full((B, W), -1, dtype=torch.long, device=dev)
+    n = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated per original row
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    nxt, last, reported = forward(ids, attn, pos), pos[:, -1], 0
+    for step in range(W):
+        # rows that finished since the last look still compute, but record nothing (no host sync here)
+        live = ~done[rows]
+        at = n[rows].clamp(max=W - 1)
+        out[rows, at] = torch.where(live, nxt, out[rows, at])
+        n[rows] += live.long()
+        done[rows] |= torch.isin(nxt, eos_t) | (n[rows] >= limit[rows])
+        if (step + 1) % CHECK_EVERY == 0 or step + 1 == W:
+            keep = (~done[rows]).nonzero()[:, 0]
+            if on_tokens is not None:
+                total = int(n.sum())
+                on_tokens(total - reported)
+                reported = total
+            if len(keep) == 0:
+                break
+            if len(keep) < len(rows):
+                cache.batch_select_indices(keep)
+                rows, nxt, last, attn = rows[keep], nxt[keep], last[keep], attn[keep]
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+        last = last + 1
+        nxt = forward(nxt[:, None], attn, last[:, None])
+    out, n = out.cpu(), n.cpu()
+    res = []
+    for r in range(B):
+        toks = out[r, :n[r]].tolist()
+        ended = bool(toks) and toks[-1] in eos
+        res.append(Decoded(toks[:-1] if ended else toks, ended))
+    return res
+
+
+def decode_all(model, prompts: list[list[int]], max_new: list[int], eos: set[int], pad_id: int,
+               temperature: float = 0.0, seed: int = 0, batch_tokens: int = 65536, max_rows: int = 256,
+               on_tokens=None) -> list[Decoded]:
+    """Decode every prompt (prompts[i] for up to max_new[i] tokens); results in input order."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    results: list[Decoded | None] = [None] * len(prompts)
+    for batch in plan_batches([len(p) for p in prompts], max_new, batch_tokens, max_rows):
+        done = decode_batch(model, [prompts[i] for i in batch], [max_new[i] for i in batch], eos, pad_id,
+                            temperature, gen, on_tokens)
+        for i, d in zip(batch, done):
+            results[i] = d
+    return results

@@ -1,0 +1,119 @@
+"""Speculative decoding of many prompts at once (DESIGN §10), for evaluation on a GPU: one target
+forward verifies every row's chain of k drafts; each row accepts its own number. The same
+decisions as `speculative.speculative_decode`, run side by side:
+
+- The target's KV cache has one slot per verified token for every row; a row's rejected drafts
+  stay in their slots but are masked out of attention (a 2-D attention mask with holes), and RoPE
+  positions come per row, so each row sees exactly its own sequence.
+- The drafter re-reads each row's accepted features (right-padded; causal attention keeps a row's
+  cells off its padding) and drafts k tokens for all rows together, each row from its own last cell.
+- `k = 0` is plain greedy decoding with the same machinery (the reference for the lossless check).
+
+Rows leave the batch when they finish. Batched fp32 arithmetic is not bit-identical to batch 1 (the
+reductions differ), so a greedy near-tie can in principle resolve differently than at batch 1."""
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from .drafter import Eagle3Drafter, StepCache
+from .kv_cache import cache_kwarg, growing_cache
+
+
+@dataclass
+class Row:
+    seq: list                                   # prompt + output; features are known for seq[:-1]
+    out: list
+    feats: list = field(default_factory=list)   # aux [n, A, H] pieces, one per verification
+    accepted: list = field(default_factory=list)
+
+
+@torch.inference_mode()
+def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torch.Tensor:
+    """drafts [B, k] (target ids): each row's chain from its own last cell."""
+    feats = pad_sequence([torch.cat(r.feats) for r in rows], batch_first=True)    # [B, N, A, H]
+    n = torch.tensor([len(r.seq) - 1 for r in rows], device=feats.device)
+    tokens = pad_sequence([torch.tensor(r.seq[1:], device=feats.device) for r in rows], batch_first=True)
+    dtype = drafter.fc.weight.dtype
+    cache = StepCache()
+    x = drafter.step(drafter.project(feats.to(dtype)), embed(tokens).to(dtype),
+                     torch.arange(feats.shape[1], device=feats.device), cache)
+    last = n - 1
+    h = x[torch.arange(len(rows), device=x.device), last][:, None]
+    drafts = []
+    for j in range(k):
+        top = drafter.logits(h)[:, -1].argmax(-1)
+        d = top + drafter.d2t[top]
+        drafts.append(d)
+        if j < k - 1:
+            h = drafter.step(h, embed(d[:, None]).to(dtype), (last + 1 + j)[:, None], cache, q_offset=last)
+    return torch.stack(drafts, 1)
+
+
+@torch.inference_mode()
+def decode(model, taps: list[int], prompts: list[list[int]], max_new: int, eos: set, k: int = 0,
+           drafter: Eagle3Drafter | None = None, embed=None, draft_fn=draft_chains) -> list[Row]:
+    """Greedy (k = 0) or speculative decoding of every prompt; rows in prompt order. `draft_fn`
+    (drafter, embed, live rows, k) -> drafts [b, k]: tests pass an oracle."""
+    dev = next(model.parameters()).device
+    kw = cache_kwarg(model)
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((B, L), dtype=torch.long)
+    valid = torch.zeros((B, L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = torch.tensor(p)
+        valid[r, L - len(p):] = 1
+    ids, valid = ids.to(dev), valid.to(dev)
+    cache = growing_cache()
+
+    def forward(x, positions, keep=0):
+        out = model(input_ids=x, attention_mask=valid, position_ids=positions, use_cache=True,
+                    output_hidden_states=k > 0, logits_to_keep=keep, **{kw: cache})
+        aux = torch.stack([out.hidden_states[j] for j in taps], 2) if k > 0 else None   # [B, q, A, H]
+        return out.logits.argmax(-1), aux
+
+    greedy, aux = forward(ids, (valid.cumsum(-1) - 1).clamp(min=0), keep=1)
+    rows = [Row(seq=list(p), out=[]) for p in prompts]
+    first = greedy[:, -1].tolist()
+    for r, (row, p) in enumerate(zip(rows, prompts)):
+        row.seq.append(first[r])
+        row.out.append(first[r])
+        if k > 0:
+            row.feats.append(aux[r, L - len(p):])
+    live = [r for r in range(B) if not _finished(rows[r], max_new, eos)]
+    while live:
+        lr = [rows[r] for r in live]
+        last = torch.tensor([r.seq[-1] for r in lr], device=dev)[:, None]
+        drafts = draft_fn(drafter, embed, lr, k) if k > 0 else last[:, :0]
+        x = torch.cat([last, drafts], 1)                                          # [b, k+1]
+        pos = torch.tensor([len(r.seq) - 1 for r in lr], device=dev)[:, None] + torch.arange(k + 1, device=dev)
+        valid = torch.cat([valid, torch.ones_like(x)], 1)
+        greedy, aux = forward(x, pos)
+        match = (drafts == greedy[:, :k]).long().cumprod(1).sum(1)                # leading accepted drafts
+        a_all, g_all, d_all = match.tolist(), greedy.tolist(), drafts.tolist()
+        valid[:, -(k + 1):] = (torch.arange(k + 1, device=dev) <= match[:, None]).long()  # rejected: masked
+        for b, row in enumerate(lr):
+            a = a_all[b]
+            new = d_all[b][:a] + [g_all[b][a]]
+            if k > 0:
+                row.feats.append(aux[b, :a + 1])
+                row.accepted.append(a)
+            row.seq += new
+            row.out += new
+        keep = [b for b, r in enumerate(live) if not _finished(rows[r], max_new, eos)]
+        if len(keep) < len(live):
+            idx = torch.tensor(keep, device=dev, dtype=torch.long)
+            cache.batch_select_indices(idx)
+            valid = valid[idx]
+            live = [live[b] for b in keep]
+    for row in rows:  # stop exactly where greedy decoding would
+        for i, t in enumerate(row.out):
+            if t in eos:
+                row.out = row.out[:i + 1]
+                break
+        row.out = row.out[:max_new]
+    return rows
+
+
+def _finished(row: Row, max_new: int, eos: set) -> bool:
+    return len(row.out) >= max_new or any(t in eos for t in row.out)

@@ -1,0 +1,66 @@
+"""Params profiles: a profile is an override file (`profiles/<name>.yaml`) holding only the keys that
+differ from `params.yaml`, as `section: {key: value}`. Applying it sets each `section.key` in
+params.yaml to the profile's value, whole (as `dvc exp run -S section.key=value` would), keeping
+params.yaml's comments and order. A key the params file lacks is an error: a profile cannot drift
+from the default the way a full copy does."""
+from pathlib import Path
+
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from .errors import EaglenestError
+
+
+def _yaml() -> YAML:
+    y = YAML()  # round-trip: comments, order and quoting survive
+    y.preserve_quotes = True
+    y.width = 110
+    y.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return y
+
+
+def _styled(value):
+    """A new value in params.yaml's own style: collections of scalars inline, the rest as blocks."""
+    if isinstance(value, dict):
+        out = CommentedMap((k, _styled(v)) for k, v in value.items())
+    elif isinstance(value, list):
+        out = CommentedSeq(_styled(v) for v in value)
+    else:
+        return value
+    if not any(isinstance(v, (dict, list)) for v in (value.values() if isinstance(value, dict) else value)):
+        out.fa.set_flow_style()
+    return out
+
+
+def overrides(profile: Path) -> dict[str, object]:
+    """{"section.key": value} of a profile file."""
+    profile = Path(profile)
+    if not profile.is_file():
+        known = sorted(p.stem for p in profile.parent.glob("*.yaml")) if profile.parent.is_dir() else []
+        raise EaglenestError(f"{profile}: no such profile (known: {', '.join(known) or 'none'})")
+    data = YAML(typ="safe").load(profile.read_text()) or {}
+    out = {}
+    for section, keys in data.items():
+        if not isinstance(keys, dict) or not keys:
+            raise EaglenestError(f"{profile}: `{section}` must map keys of that params section to values")
+        out.update({f"{section}.{k}": v for k, v in keys.items()})
+    return out
+
+
+def apply(profile: Path, params: Path, dry_run: bool = False) -> list[tuple[str, object, object]]:
+    """Set the profile's keys in the params file; returns (key, old, new) of the keys that change."""
+    y = _yaml()
+    doc = y.load(Path(params).read_text())
+    changes = []
+    for key, value in overrides(profile).items():
+        section, name = key.split(".", 1)
+        if section not in doc or not hasattr(doc[section], "keys") or name not in doc[section]:
+            raise EaglenestError(f"{profile}: `{key}` is not a key of {params}; a profile only changes keys "
+                                 f"the default params define (add it there first)")
+        if doc[section][name] != value:
+            changes.append((key, doc[section][name], value))
+            doc[section][name] = _styled(value)
+    if not dry_run:
+        with open(params, "w") as f:
+            y.dump(doc, f)
+    return changes

@@ -1,0 +1,96 @@
+"""Batched speculative decoding (the GPU evaluation path) against the batch-1 decoder, and the
+evaluate stage's quality gate on the real target."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eaglenest import batched_speculative as bs
+from eaglenest.speculative import TargetRunner, draft_chain, greedy_decode, speculative_decode
+from eaglenest.target import load_model
+
+from .conftest import random_samples, run_py, stage_workspace
+from .test_train import tiny_drafter
+
+TAPS = [2, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tiny_target):
+    return load_model(tiny_target, dtype="float32", device="cpu")
+
+
+def prompts(seed, n=5):
+    return [p.tolist() for p in random_samples(n, 200, 3, 40, seed=seed)]
+
+
+def oracle(truth: dict, k: int, vocab: int = 200):
+    """Drafts right up to a cut that depends only on (prompt, position): the batch-1 and batched
+    decoders see the same drafts, so their accepted counts must agree exactly."""
+    def cut(key, n):
+        return (hash((key, n)) & 0xFFFF) % (k + 1)
+
+    def one(prompt_key, out_len):
+        t = (truth[prompt_key] + [0] * (k + 1))[out_len:out_len + k]
+        c = cut(prompt_key, out_len)
+        return t[:c] + [(x + 1) % vocab for x in t[c:]]
+    return one
+
+
+def test_batched_drafts_equal_batch1_drafts(tiny_target, tiny_fp32):
+    drafter = tiny_drafter(tiny_target, TAPS, 0)
+    runner, embed = TargetRunner(tiny_fp32, TAPS), tiny_fp32.get_input_embeddings()
+    rows = []
+    for p in prompts(3):
+        _, feats = runner.forward(p, bs.growing_cache(), 0)
+        rows.append((p, feats))
+    got = bs.draft_chains(drafter, embed, [bs.Row(seq=list(p), out=[], feats=[f[:-1]]) for p, f in rows], 4).tolist()
+    for (p, f), g in zip(rows, got):  # the features cover seq[:-1]: drafts continue from the last prompt token
+        assert g == draft_chain(drafter, embed, f[:-1], torch.tensor(p), 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_greedy_and_speculative_equal_batch1(tiny_target, tiny_fp32, seed):
+    runner, embed = TargetRunner(tiny_fp32, TAPS), tiny_fp32.get_input_embeddings()
+    drafter = tiny_drafter(tiny_target, TAPS, seed)
+    ps = prompts(seed)
+    ref = [greedy_decode(runner, p, 20, eos={2}).tokens for p in ps]
+    assert [r.out for r in bs.decode(tiny_fp32, TAPS, ps, 20, {2})] == ref
+    # the real drafter: same output, same acceptance as batch 1
+    rows = bs.decode(tiny_fp32, TAPS, ps, 20, {2}, k=3, drafter=drafter, embed=embed)
+    one = [speculative_decode(runner, drafter, embed, p, 20, {2}, 3) for p in ps]
+    assert [r.out for r in rows] == ref == [s.tokens for s in one]
+    assert [r.accepted for r in rows] == [s.accepted for s in one]
+    # an oracle that accepts every length 0..k: rows advance by different amounts each step
+    truth = {tuple(p): t for p, t in zip(ps, ref)}
+    o = oracle(truth, 3)
+    rows = bs.decode(tiny_fp32, TAPS, ps, 20, {2}, k=3, drafter=drafter, embed=embed,
+                     draft_fn=lambda d, e, rs, k: torch.tensor(
+                         [o(tuple(r.seq[:len(r.seq) - len(r.out)]), len(r.out)) for r in rs]))
+    one = [speculative_decode(runner, drafter, embed, p, 20, {2}, 3,
+                              draft_fn=lambda d, e, f, toks, k, p=p: o(tuple(p), len(toks) - len(p)))
+           for p in ps]
+    assert [r.out for r in rows] == ref
+    assert [r.accepted for r in rows] == [s.accepted for s in one]
+    assert len({a for r in rows for a in r.accepted}) == 4  # 0..3 all happened
+
+
+def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_path):
+    from eaglenest.drafter import DrafterConfig, Eagle3Drafter
+    ws = stage_workspace(tmp_path / "ws", smollm2, {"evaluate": {
+        "questions": 3, "k": [2, 3], "max_new_tokens": 8, "dtype": "float32", "device": "cpu", "batch_size": 3,
+        "speed_questions": 1, "min_tau": 1.5}})
+    cfg = json.loads((smollm2.model_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(cfg, 256, [2, 15, 27]))
+    d.set_vocab(torch.arange(256))
+    d.save_pretrained(ws / "data/drafter")
+    p = run_py(["-m", "stages.evaluate", "--no-progress"], cwd=ws, check=False)
+    assert p.returncode == 2 and "below evaluate.min_tau 1.5" in p.stderr
+    m = json.loads((ws / "metrics/evaluate.json").read_text())
+    assert m["gate_passed"] is False and set(m["tau"]) == {"2", "3"} and m["questions"] == 3
+    assert all(1.0 <= t < 1.5 for t in m["tau"].values()) and m["identical_to_greedy"] == {"2": 3, "3": 3}
+    assert m["speed_questions"] == 1 and m["speedup"]["2"] > 0
+    rows = (ws / "metrics/evaluate_positions.csv").read_text().splitlines()
+    assert rows[0] == "k,position,acceptance" and len(rows) == 1 + 2 + 3

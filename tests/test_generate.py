@@ -1,0 +1,97 @@
+"""Self-distillation on the real target: every assistant turn regenerated given the regenerated
+conversation so far, batched decoding equal to transformers' own greedy `generate`, and every turn
+accounted for (regenerated, cut, skipped)."""
+import json
+
+import pytest
+
+from eaglenest.batch_decode import decode_all, plan_batches
+from eaglenest.generate import regenerate
+from eaglenest.target import load_model, stop_ids
+
+from .conftest import run_py, stage_workspace
+
+CONVS = [
+    {"id": "a", "messages": [{"role": "user", "content": "Name a fruit."},
+                             {"role": "assistant", "content": "old 1"},
+                             {"role": "user", "content": "And a vegetable?"},
+                             {"role": "assistant", "content": "old 2"}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "What is 2+2?"},
+                             {"role": "assistant", "content": "old"}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Write a long story about a dragon. " * 8},
+                             {"role": "assistant", "content": "old"},
+                             {"role": "user", "content": "Shorter, please."},
+                             {"role": "assistant", "content": "old"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def fp32(smollm2):
+    return load_model(smollm2, dtype="float32", device="cpu")
+
+
+def hf_greedy(model, tok, messages, max_new):
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(stop_ids(model, tok)),
+                         pad_token_id=0)[0, ids.shape[1]:].tolist()
+    return tok.decode([t for t in out if t not in stop_ids(model, tok)], skip_special_tokens=True)
+
+
+def test_every_turn_regenerated_on_the_regenerated_history(fp32, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    out, st = regenerate(fp32, tok, CONVS, max_new_tokens=10, max_seq_len=120, batch_tokens=2000, max_rows=2,
+                         progress=False)
+    assert st["assistant_turns"] == 5
+    assert st["regenerated"] + st.get("skipped_context", 0) + st.get("skipped_empty", 0) == 5
+    assert st["skipped_context"] >= 1  # conversation c's second turn no longer fits in 120 tokens
+    assert st["cut_at_max_tokens"] + st.get("cut_at_context", 0) >= 1 and st["generated_tokens"] > 0
+    for c in out:
+        msgs = c["messages"]
+        assert msgs[-1]["role"] == "assistant"  # cut before a skipped turn, never after a user turn
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                assert not m["content"].startswith("old")
+                # transformers' own greedy decoding of the history as regenerated so far
+                assert m["content"] == hf_greedy(fp32, tok, msgs[:i], 10), (c["id"], i)
+    a = next(c for c in out if c["id"] == "a")
+    assert len(a["messages"]) == 4 and a["messages"][2]["content"] == "And a vegetable?"
+    one, st1 = regenerate(fp32, tok, CONVS, max_new_tokens=10, max_turns=1, progress=False)
+    assert st1["skipped_max_turns"] == 2 and all(len([m for m in c["messages"] if m["role"] == "assistant"]) == 1
+                                                for c in one)
+
+
+def test_batched_decoding_equals_one_by_one_and_plans_within_budget(fp32, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
+               ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]]
+    eos = stop_ids(fp32, tok)
+    limits = [9, 4, 12, 7]
+    batched = decode_all(fp32, prompts, limits, eos, 0, batch_tokens=4096, max_rows=4)
+    single = [decode_all(fp32, [p], [n], eos, 0)[0] for p, n in zip(prompts, limits)]
+    assert [d.tokens for d in batched] == [d.tokens for d in single]
+    assert all(len(d.tokens) <= n and (d.ended or len(d.tokens) == n) for d, n in zip(batched, limits))
+    lengths = [5, 50, 7, 30, 2]
+    plan = plan_batches(lengths, [10] * 5, batch_tokens=100, max_rows=3)
+    assert sorted(i for b in plan for i in b) == [0, 1, 2, 3, 4] and plan[0] == [1]  # longest first, alone
+    for b in plan:
+        assert len(b) <= 3 and len(b) * (max(lengths[i] for i in b) + 10) <= 100
+    sampled = [decode_all(fp32, prompts, limits, eos, 0, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    assert [d.tokens for d in sampled[0]] == [d.tokens for d in sampled[1]]  # seeded
+    assert [d.tokens for d in sampled[0]] != [d.tokens for d in sampled[2]]
+
+
+def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):
+    ws = stage_workspace(tmp_path / "ws", smollm2, {
+        "generate": {"enabled": True, "max_new_tokens": 6, "temperature": 0.0, "max_turns": 0, "seed": 0,
+                     "dtype": "float32", "device": "cpu", "batch_tokens": 4096, "max_rows": 8},
+        "tokenize": {"max_seq_len": 256, "on_error": "fail"}})
+    (ws / "data/parts").mkdir(parents=True)
+    (ws / "data/parts/p.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVS))
+    run_py(["-m", "stages.generate", "p", "--no-progress"], cwd=ws)
+    m = json.loads((ws / "metrics/generate/p.json").read_text())
+    assert m["enabled"] and m["assistant_turns"] == 5 and m["regenerated"] == 5 and m["tokens_per_s"] > 0
+    rows = [json.loads(line) for line in (ws / "data/generated/p.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b", "c"]
+    assert m["cut_at_max_tokens"] + m.get("cut_at_context", 0) <= 5 and m["generated_tokens"] <= 5 * 6
