@@ -47,11 +47,12 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
                             ignore=shutil.ignore_patterns("__pycache__", "cache", "tmp", "out"))
         else:
             shutil.copy2(item, dst)
-    for d in ("data", "metrics"):  # DVC's .gitignore files and the tracked part pointers
-        shutil.copytree(REPO / d, work / d, dirs_exist_ok=True, ignore=lambda p, names: [
-            n for n in names if not (n.endswith(".dvc") or n == ".gitignore" or (Path(p) / n).is_dir())])
-    if fresh and (REPO / "dvc.lock").exists():
-        shutil.copy2(REPO / "dvc.lock", work / "dvc.lock")
+    if fresh:  # DVC's .gitignore files (DVC adds the profile's outputs to them) and part pointers
+        for d in ("data", "metrics"):
+            shutil.copytree(REPO / d, work / d, dirs_exist_ok=True, ignore=lambda p, names: [
+                n for n in names if not (n.endswith(".dvc") or n == ".gitignore" or (Path(p) / n).is_dir())])
+        if (REPO / "dvc.lock").exists():
+            shutil.copy2(REPO / "dvc.lock", work / "dvc.lock")
     changes = prof.apply(work / "profiles" / f"{profile}.yaml", work / "params.yaml")
     if sets:  # the same rule as a profile: each section.key must exist
         import yaml
@@ -70,7 +71,7 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     print(f"{work}: profile {profile}, {len(changes)} key(s) set")
     if not (work / ".git").exists():
         sh(["git", "init", "-q"], work)
-    sh(["git", "add", "-A"], work)
+    sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics"], work)
     sh(["git", "-c", "user.email=gpu@eaglenest", "-c", "user.name=gpu", "commit", "-q", "--allow-empty", "-m",
         "gpu profile"], work)
 
