@@ -31,7 +31,7 @@ IMAGE_HAS = {
     "psutil", "packaging", "urllib3", "certifi", "pyparsing", "click", "requests", "idna", "attrs", "anyio", "h11",
     "httpx", "httpcore", "tqdm", "typing-extensions", "tabulate", "six", "zipp", "markdown-it-py", "mdurl",
     "typer", "shellingham", "msgpack", "wrapt", "protobuf", "torch", "transformers", "tokenizers", "safetensors",
-    "huggingface-hub", "accelerate", "pyarrow", "xxhash", "ml-dtypes", "jinja2", "markupsafe", "sympy", "mpmath",
+    "huggingface-hub", "accelerate", "pyarrow", "ml-dtypes", "jinja2", "markupsafe", "sympy", "mpmath",
     "triton", "regex", "hf-xet", "annotated-doc", "typing-inspect", "mypy-extensions", "sortedcontainers"}
 PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
@@ -117,8 +117,10 @@ def install() -> None:
         *map(str, whole.iterdir()))
     bindir = Path("/tmp/bin")
     bindir.mkdir(exist_ok=True)
-    if not (bindir / "python").exists():  # dvc.yaml's commands call `python`
-        os.symlink(sys.executable, bindir / "python")
+    # dvc.yaml's commands call `python`: a wrapper, not a symlink (a symlinked venv python
+    # looks for pyvenv.cfg beside the link and loses the image's site-packages)
+    (bindir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bindir / "python").chmod(0o755)
     print(f"installed {len(manifest)} wheels into {SITE}")
     print(f"export PYTHONPATH={SITE}:$PWD PATH={bindir}:{SITE}/bin:$PATH")
 

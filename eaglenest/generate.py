@@ -58,7 +58,10 @@ def regenerate(model, tok, convs: list[dict], max_new_tokens: int, temperature: 
         t0 = time.perf_counter()
         done = decode_all(model, [j[2] for j in jobs], [j[3] for j in jobs], eos, pad, temperature, seed + turn,
                           batch_tokens, max_rows, on_tokens=bar.update)
-        seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        seconds += dt
+        stats.setdefault("per_turn", []).append({"answers": len(jobs), "seconds": round(dt, 2),
+                                                 "tokens": sum(len(d.tokens) for d in done)})
         answers = tok.batch_decode([d.tokens for d in done], skip_special_tokens=True)
         for (c, i, ids, room), d, text in zip(jobs, done, answers):
             if not text.strip():
