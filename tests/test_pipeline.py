@@ -37,7 +37,9 @@ def test_repro_to_validated_stores_then_noop(clone):
     v = sh("eaglenest verify -q data/hidden/tiny-a data/hidden/tiny-b", clone)
     assert v.stdout.count("OK") == 2
     ev = json.loads((clone / "metrics/evaluate.json").read_text())
-    assert ev["questions"] == 2 and ev["mismatches"] == 0 and ev["tau"] >= 1.0
+    assert ev["questions"] == 2 and ev["mismatches"] == {"2": 0} and ev["tau"]["2"] >= 1.0 and ev["gate_passed"]
+    gen = json.loads((clone / "metrics/generate/tiny-a.json").read_text())
+    assert gen == {"enabled": False, "conversations": 4}
     assert json.loads((clone / "data/drafter/config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
 
 
