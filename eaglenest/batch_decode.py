@@ -33,17 +33,23 @@ def plan_batches(lengths: list[int], max_new: list[int], batch_tokens: int, max_
     return batches
 
 
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] left-padded with pad_id, and the attention mask (1 on real tokens)."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p):] = torch.tensor(p)
+        mask[r, L - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[int], pad_id: int,
                  temperature: float = 0.0, generator: torch.Generator | None = None, on_tokens=None) -> list[Decoded]:
     dev = next(model.parameters()).device
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        attn[r, L - len(p):] = 1
-    ids, attn = ids.to(dev), attn.to(dev)
+    ids, attn = left_pad(prompts, pad_id, dev)
+    B, L = ids.shape
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     limit = torch.tensor(max_new, device=dev)
     eos_t = torch.tensor(sorted(eos), device=dev)
@@ -87,7 +93,7 @@ def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[i
         nxt = forward(nxt[:, None], attn, last[:, None])
     out, n = out.cpu(), n.cpu()
     res = []
-    for r in range(B):
+    for r in range(len(prompts)):
         toks = out[r, :n[r]].tolist()
         ended = bool(toks) and toks[-1] in eos
         res.append(Decoded(toks[:-1] if ended else toks, ended))

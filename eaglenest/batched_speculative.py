@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from .batch_decode import left_pad
 from .drafter import Eagle3Drafter, StepCache
 from .kv_cache import cache_kwarg, growing_cache
+from .speculative import cut_at_eos
 
 
 @dataclass
@@ -57,13 +59,8 @@ def decode(model, taps: list[int], prompts: list[list[int]], max_new: int, eos: 
     (drafter, embed, live rows, k) -> drafts [b, k]: tests pass an oracle."""
     dev = next(model.parameters()).device
     kw = cache_kwarg(model)
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros((B, L), dtype=torch.long)
-    valid = torch.zeros((B, L), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        valid[r, L - len(p):] = 1
-    ids, valid = ids.to(dev), valid.to(dev)
+    ids, valid = left_pad(prompts, 0, dev)
+    B, L = ids.shape
     cache = growing_cache()
 
     def forward(x, positions, keep=0):
@@ -106,12 +103,8 @@ def decode(model, taps: list[int], prompts: list[list[int]], max_new: int, eos: 
             cache.batch_select_indices(idx)
             valid = valid[idx]
             live = [live[b] for b in keep]
-    for row in rows:  # stop exactly where greedy decoding would
-        for i, t in enumerate(row.out):
-            if t in eos:
-                row.out = row.out[:i + 1]
-                break
-        row.out = row.out[:max_new]
+    for row in rows:
+        row.out = cut_at_eos(row.out, eos)[:max_new]
     return rows
 
 

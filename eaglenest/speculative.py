@@ -94,8 +94,13 @@ def speculative_decode(runner: TargetRunner, drafter: Eagle3Drafter, embed, prom
         feats = torch.cat([feats, new_feats[:a + 1]])
         seq += new
         out += new
-        for i, t in enumerate(out):  # stop exactly where greedy decoding would
-            if t in eos:
-                out = out[:i + 1]
-                break
+        out = cut_at_eos(out, eos)
     return Decoded(out[:max_new], time.perf_counter() - t0, target_forwards=forwards, accepted=accepted)
+
+
+def cut_at_eos(out: list[int], eos: set) -> list[int]:
+    """Up to and including the first end-of-turn id: where greedy decoding would have stopped."""
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i + 1]
+    return out
