@@ -168,7 +168,8 @@ def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[i
     durable commit): piece_s minus the measured phases is what the hand-over and commit cost."""
     import zarr
 
-    from eaglenest.extract import PieceWriter, WorkDir
+    from eaglenest.extract import PieceWriter
+    from eaglenest.work_dir import WorkDir
     from eaglenest.store import create_arrays
     S, out = layout.shard_tokens, {}
     for codec in ("none", "zstd"):

@@ -4,7 +4,7 @@ The library knows nothing of DVC or params.yaml; `stages/` wires it to the pipel
 """
 import os
 
-# No code path may reach a model hub (DESIGN §3): every load is local.
+# No code path may reach a model hub (docs/design.md: Target): every load is local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import static_decode
 from .kv_cache import cache_kwarg, growing_cache
 
 CHECK_EVERY = 8  # steps between looks at which rows finished (each look waits for the GPU)
+SHRINK = 4       # a CUDA-graphed batch drops its finished rows once they are 3/4 of it
 
 
 @dataclass
@@ -44,32 +46,62 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
+class HFStepper:
+    """Decode steps through the model's own forward and a growing KV cache (any causal LM)."""
+
+    def __init__(self, model, width: int):
+        self.model, self.cache, self.kw = model, growing_cache(reserve=width), cache_kwarg(model)
+
+    def _forward(self, x, position):
+        out = self.model(input_ids=x, attention_mask=self.attn, position_ids=position, use_cache=True,
+                         logits_to_keep=1, **{self.kw: self.cache})
+        return out.logits[:, -1].float()
+
+    def prefill(self, ids, attn, pos):
+        self.attn = attn
+        return self._forward(ids, pos)
+
+    def step(self, tok, pos):
+        self.attn = torch.cat([self.attn, torch.ones_like(self.attn[:, :1])], 1)
+        return self._forward(tok[:, None], pos[:, None])
+
+    def select(self, keep) -> None:
+        self.cache.batch_select_indices(keep)
+        self.attn = self.attn[keep]
+
+
+def stepper_for(model, rows: int, width: int):
+    """CUDA-graphed static steps where the architecture allows (`static_decode`), else the HF forward."""
+    if next(model.parameters()).device.type == "cuda" and static_decode.supports(model):
+        return static_decode.StaticDecoder(model, rows, width)
+    return HFStepper(model, width)
+
+
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[int], pad_id: int,
-                 temperature: float = 0.0, generator: torch.Generator | None = None, on_tokens=None) -> list[Decoded]:
+                 temperature: float = 0.0, generator: torch.Generator | None = None, on_tokens=None,
+                 stepper=None) -> list[Decoded]:
     dev = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, dev)
     B, L = ids.shape
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     limit = torch.tensor(max_new, device=dev)
     eos_t = torch.tensor(sorted(eos), device=dev)
-    cache, kw = growing_cache(reserve=L + max(max_new)), cache_kwarg(model)
+    W = max(max_new)
+    stepper = stepper or stepper_for(model, B, L + W)
+    static = isinstance(stepper, static_decode.StaticDecoder)
 
-    def forward(x, mask, position):
-        out = model(input_ids=x, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1,
-                    **{kw: cache})
-        logits = out.logits[:, -1].float()
+    def pick(logits):
         if temperature <= 0:
             return logits.argmax(-1)
         probs = torch.softmax(logits / temperature, -1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
     rows = torch.arange(B, device=dev)          # original row of each live batch row
-    W = max(max_new)
     out = torch.full((B, W), -1, dtype=torch.long, device=dev)
     n = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated per original row
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    nxt, last, reported = forward(ids, attn, pos), pos[:, -1], 0
+    nxt, last, reported = pick(stepper.prefill(ids, attn, pos)), pos[:, -1], 0
     for step in range(W):
         # rows that finished since the last look still compute, but record nothing (no host sync here)
         live = ~done[rows]
@@ -85,12 +117,12 @@ def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[i
                 reported = total
             if len(keep) == 0:
                 break
-            if len(keep) < len(rows):
-                cache.batch_select_indices(keep)
-                rows, nxt, last, attn = rows[keep], nxt[keep], last[keep], attn[keep]
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            # a static stepper drops rows only when few are left: each drop captures a new graph
+            if len(keep) < len(rows) and (not static or len(keep) * SHRINK <= len(rows)):
+                stepper.select(keep)
+                rows, nxt, last = rows[keep], nxt[keep], last[keep]
         last = last + 1
-        nxt = forward(nxt[:, None], attn, last[:, None])
+        nxt = pick(stepper.step(nxt, last))
     out, n = out.cpu(), n.cpu()
     res = []
     for r in range(len(prompts)):

@@ -1,4 +1,4 @@
-"""Speculative decoding of many prompts at once (DESIGN §10), for evaluation on a GPU: one target
+"""Speculative decoding of many prompts at once (docs/design.md: Evaluate), for evaluation on a GPU: one target
 forward verifies every row's chain of k drafts; each row accepts its own number. The same
 decisions as `speculative.speculative_decode`, run side by side:
 

@@ -97,13 +97,17 @@ def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadRepo
     if not path.is_file():
         raise EaglenestError(f"{path}: conversations file not found")
     report, convs, seen = ReadReport(str(path)), [], {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is bad input of that line alone
+        for lineno, data in enumerate(f, 1):
             report.lines += 1
-            if not line.strip():
+            if not data.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"not UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
                 raw = json.loads(line)
                 if not isinstance(raw, dict):
                     raise ValueError("line is not a JSON object")

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (DESIGN §9). `save_pretrained` writes the serving format SGLang and vLLM load
+"""The EAGLE-3 drafter (docs/design.md: Serving format). `save_pretrained` writes the serving format SGLang and vLLM load
 as an EAGLE-3 draft: `LlamaForCausalLMEagle3`, one `midlayer`, `fc [H, 3H]`, q/k/v over 2H,
 `lm_head [Vd, H]`, `d2t` (int64 offsets: target = i + d2t[i]) and `t2d` (bool), no embedding.
 

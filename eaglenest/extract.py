@@ -1,4 +1,4 @@
-"""Extract one part's hidden states into a Zarr store, crash-safe and resumable (DESIGN §5, §6).
+"""Extract one part's hidden states into a Zarr store, crash-safe and resumable (docs/design.md: Store, Extraction).
 
 A work directory outside the DVC outputs, keyed by (input hash, target, extractor, layout), holds
 the store being built. Each piece (= one zarr shard per array) is encoded and written by a
@@ -7,7 +7,6 @@ background writer (`piece_io`: temp name, fsync, rename), then its manifest is w
 extracts only the rest. After the validation gate passes, the index is written and the store
 is renamed into the output in one step; a failed gate commits nothing."""
 import concurrent.futures
-import json
 import logging
 import os
 import queue
@@ -24,17 +23,18 @@ import zarr
 from tqdm import tqdm
 
 from . import state_format
-from .atomic import fsync_path, write_json
+
 from .backends import SampleFailed
 from .bf16 import from_bits
 from .errors import EaglenestError
 from .extractor import extractor_fingerprint, extractor_info, sample_key
 from .hashing import sha256_file, sha256_text
 from .pieces import Piece, length_batches, plan_pieces
-from .piece_io import BufferPool, exit_without_teardown, import_piece_io, write_piece, write_piece_shared
+from .piece_io import BufferPool, import_piece_io, write_piece, write_piece_shared, writer_init
 from .store import SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays, write_checksums, write_index
 from .target import Target
 from .validate import Reference, run_gate
+from .work_dir import WorkDir, check_writable, part_lock, publish
 
 log = logging.getLogger(__name__)
 
@@ -47,29 +47,6 @@ def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
     ids = t.column("id").to_pylist()
     seqs = [np.asarray(x, dtype=np.int32) for x in t.column("input_ids").to_pylist()]
     return ids, seqs
-
-
-class WorkDir:
-    """`<root>/<part>-<key>/{store/, pieces/<i>.json}`; one per (input, extractor, layout)."""
-
-    def __init__(self, root: Path, part: str, key: str):
-        self.root, self.part = Path(root), part
-        self.path = self.root / f"{part}-{key[:20]}"
-        self.store = self.path / "store"
-        self.manifests = self.path / "pieces"
-
-    def committed(self) -> dict[int, dict]:
-        out = {}
-        if self.manifests.is_dir():
-            for p in self.manifests.glob("*.json"):
-                out[int(p.stem)] = json.loads(p.read_text())
-        return out
-
-    def commit_piece(self, index: int, rows: list[dict]) -> None:
-        write_json(self.manifests / f"{index}.json", {"piece": index, "samples": rows}, durable=True)
-
-    def stale_siblings(self) -> list[Path]:
-        return [p for p in self.root.glob(f"{self.part}-*") if p.is_dir() and p != self.path]
 
 
 class PieceWriter:
@@ -93,9 +70,9 @@ class PieceWriter:
         if processes:
             import multiprocessing
             # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
-            # current piece is written: same bytes as the resumed run writes, renamed into place.
+            # current piece is written (`writer_init`): same bytes as the resumed run writes.
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=exit_without_teardown)
+                                            initializer=writer_init, initargs=(os.getpid(),))
             # start every writer now, while the model loads: spawn re-imports the main module (torch
             # included), ~4 s per writer on the H200 host, which each one's first piece waited for
             for _ in range(workers):
@@ -166,22 +143,32 @@ class PieceWriter:
 
 
 def _open_work_store(work: WorkDir, layout: Layout, n_pieces: int, attrs: dict) -> zarr.Group:
-    if (work.store / "zarr.json").is_file():
+    if work.is_complete():
         group = zarr.open_group(str(work.store), mode="r+")
         old = dict(group.attrs)
         if old.get("work_key") != attrs["work_key"]:
             raise EaglenestError(f"{work.store}: work store belongs to another extraction; delete it")
         return group
-    shutil.rmtree(work.path, ignore_errors=True)  # nothing committed without a store: start clean
-    work.store.mkdir(parents=True)
+    if work.path.exists():
+        log.warning("%s: the work dir was never completely created (a crash or a full disk); rebuilding it",
+                    work.path)
+    work.reset()  # nothing is committed before the store is complete: start clean
     group = zarr.open_group(str(work.store), mode="w", attributes=attrs)
     create_arrays(group, layout, n_pieces)
+    work.mark_created()
     return group
 
 
-def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: list[int], dtype: str,
-                 revision, layout_cfg: dict, validate_cfg: dict, out_dir: Path, work_root: Path,
-                 batch_tokens: int, max_seq_len: int, progress: bool = True, writers: int | None = None) -> dict:
+def extract_part(*, part: str, work_root: Path, out_dir: Path, **kw) -> dict:
+    """Extract, gate and publish one part; one run per part at a time (`work_dir.part_lock`)."""
+    with part_lock(work_root, part):
+        check_writable(out_dir)
+        return _extract_part(part=part, work_root=work_root, out_dir=out_dir, **kw)
+
+
+def _extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: list[int], dtype: str,
+                  revision, layout_cfg: dict, validate_cfg: dict, out_dir: Path, work_root: Path,
+                  batch_tokens: int, max_seq_len: int, progress: bool = True, writers: int | None = None) -> dict:
     t0 = time.time()
     names, seqs = read_tokenized(tokenized)
     if not seqs:
@@ -202,7 +189,7 @@ def extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: l
              "dtype": "bfloat16", "storage": state_format.describe(layout.states),
              "hidden_size": target.hidden_size, "max_seq_len": max_seq_len, "layout": asdict(layout),
              "input_sha256": input_sha, "work_key": work_key, "device": described.get("device")}
-    group = _open_work_store(work, layout, len(pieces), attrs)
+    _open_work_store(work, layout, len(pieces), attrs)
     done = work.committed()
     pending = [p for p in pieces if p.index not in done]
     if done:
@@ -430,12 +417,7 @@ def _finalize(work: WorkDir, out_dir: Path) -> None:
     for junk in work.store.rglob("*.partial"):  # temp files of writes a crash interrupted
         junk.unlink()
     write_checksums(work.store)  # the commit point of the store itself
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(work.store), str(out_dir))  # a rename when on the same filesystem
-    fsync_path(out_dir.parent)
+    publish(work.store, out_dir)  # the previous store stays until the new one is in place
     for stale in work.stale_siblings():
         shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(work.path, ignore_errors=True)

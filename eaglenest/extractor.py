@@ -1,4 +1,4 @@
-"""Tap resolution, the extractor fingerprint and sample keys (DESIGN §4, §5)."""
+"""Tap resolution, the extractor fingerprint and sample keys (docs/design.md: Taps, Store)."""
 from .errors import EaglenestError
 from .hashing import sha256_text
 

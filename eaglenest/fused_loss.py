@@ -1,4 +1,4 @@
-"""The TTT loss head without full draft-vocabulary logits in memory (DESIGN §9, issue: GPU
+"""The TTT loss head without full draft-vocabulary logits in memory (docs/design.md: Drafter and training, issue: GPU
 performance): for every step k, logits = h_k @ W^T chunk by chunk, soft cross-entropy against the
 teacher's distribution, and the gradients w.r.t. h_k and W computed right there (d CE / d logits
 = softmax - p, since p sums to 1). Backward only scales the stored gradients: no logits are kept

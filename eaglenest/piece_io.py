@@ -6,8 +6,10 @@ its per-process event loop held a writer to a few hundred MB/s. Runs in a writer
 writer PROCESS over shared-memory buffers, so a many-core GPU host encodes pieces in parallel."""
 import atexit
 import errno
+import logging
 import mmap
 import os
+import secrets
 import sys
 import threading
 import time
@@ -20,6 +22,7 @@ import numpy as np
 from .atomic import fsync_path
 from .store import Layout, fill_value, sample_digest
 
+log = logging.getLogger(__name__)
 EMPTY = np.uint64(2**64 - 1)  # the shard index entry of a chunk that was not written
 
 
@@ -37,7 +40,7 @@ class PieceBuffers:
             shapes[name] = (layout.shard_tokens, *row)
             size = int(np.prod(shapes[name])) * dtype.itemsize
             if shared:
-                self.shm[name] = shared_memory.SharedMemory(create=True, size=size)
+                self.shm[name] = shared_memory.SharedMemory(create=True, size=size, name=shm_name())
                 self.arrays[name] = np.ndarray(shapes[name], dtype=dtype, buffer=self.shm[name].buf)
             else:
                 self.arrays[name] = np.empty(shapes[name], dtype=dtype)
@@ -67,13 +70,38 @@ class PieceBuffers:
         self.shm = {}
 
 
+SHM_PREFIX = "eaglenest-"  # /dev/shm/eaglenest-<creator pid>-<random>
+
+
+def shm_name() -> str:
+    return f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def sweep_stale_shm(root: Path = Path("/dev/shm")) -> int:
+    """Unlink piece buffers whose creator is dead (a SIGKILLed run: no exit path of its own ran,
+    and multiprocessing's resource tracker may be gone too). Returns how many."""
+    n = 0
+    for p in root.glob(f"{SHM_PREFIX}*-*"):
+        try:
+            pid = int(p.name[len(SHM_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+            n += 1
+        except (ValueError, PermissionError):  # not ours, or another user's live process
+            pass
+    return n
+
+
 class BufferPool:
     """Piece buffers of one layout, reused; `close` frees them all (shared memory outlives the
-    process otherwise)."""
+    process otherwise; a killed run's are swept by the next shared pool)."""
 
     def __init__(self, layout: Layout, shared: bool):
         self.args, self.free, self.made = (layout, shared), [], []
         self.lock = threading.Lock()
+        if shared and (n := sweep_stale_shm()):
+            log.warning("removed %d shared-memory piece buffers left by a killed extraction", n)
 
     def get(self) -> PieceBuffers:
         with self.lock:
@@ -217,16 +245,29 @@ def write_piece(store: Path, index: int, layout: Layout, arrays: dict[str, np.nd
     return digests, written, phases
 
 
-def exit_without_teardown() -> None:
-    """Writer-process initializer: the process ends with os._exit instead of tearing down its
+_writing = threading.Lock()  # in a writer process: held while a piece is written
+
+
+def writer_init(parent: int) -> None:
+    """Writer-process initializer. (1) The process ends with os._exit instead of tearing down its
     interpreter, which spawn filled with the parent's imports (torch): that teardown took ~0.5 s
     per process, 1.1 s for 4 here, paid after every part's last piece. Nothing is lost: a piece is
-    fsynced before its result returns, and multiprocessing has run its own exit hooks by then."""
+    fsynced before its result returns, and multiprocessing has run its own exit hooks by then.
+    (2) It dies with its parent: a watcher sees the parent gone (SIGKILL runs no exit path there),
+    lets the piece being written finish (its bytes are what a resumed run writes), and exits; its
+    end closes the resource tracker's last pipe, so the tracker exits too."""
     def bye():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     atexit.register(bye)  # atexit runs handlers last-registered first: this one before the teardown
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        with _writing:
+            os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def import_piece_io() -> None:
@@ -240,9 +281,10 @@ def write_piece_shared(store: str, index: int, layout: Layout, spec: dict,
                        rows: list[dict]) -> tuple[list[str], int, dict]:
     """`write_piece` in a writer process, reading the piece from the parent's shared memory. The
     mapping is kept: the parent reuses its buffers, so later pieces read already-mapped pages."""
-    arrays = {}
-    for name, (shm_name, shape, dtype) in spec.items():
-        if shm_name not in _attached:
-            _attached[shm_name] = shared_memory.SharedMemory(name=shm_name)
-        arrays[name] = np.ndarray(shape, dtype=np.dtype(dtype), buffer=_attached[shm_name].buf)
-    return write_piece(Path(store), index, layout, arrays, rows)
+    with _writing:
+        arrays = {}
+        for name, (shm, shape, dtype) in spec.items():
+            if shm not in _attached:
+                _attached[shm] = shared_memory.SharedMemory(name=shm)
+            arrays[name] = np.ndarray(shape, dtype=np.dtype(dtype), buffer=_attached[shm].buf)
+        return write_piece(Path(store), index, layout, arrays, rows)

@@ -1,4 +1,4 @@
-"""Offline speculative decoding with the target (HF, KV cache) and an EAGLE-3 drafter (DESIGN §10):
+"""Offline speculative decoding with the target (HF, KV cache) and an EAGLE-3 drafter (docs/design.md: Evaluate):
 chain drafting of k tokens, greedy verification. Lossless: the output is the target's greedy
 decoding. Acceptance length counts the bonus token (no speculation = 1.0, SGLang's convention)."""
 import time

@@ -1,4 +1,4 @@
-"""How a store keeps the hidden states (`store.states`, DESIGN §5).
+"""How a store keeps the hidden states (`store.states`, docs/design.md: Store).
 
     bf16  aux [n, A, H] and final [n, H] as uint16 bit patterns: bit-exact.
     fp8   e4m3 bit patterns (uint8) with one float32 scale per token and tap, x ~= q * scale,

@@ -1,4 +1,4 @@
-"""The hidden-state store of one part: a Zarr v3 group (DESIGN §5).
+"""The hidden-state store of one part: a Zarr v3 group (docs/design.md: Store).
 
     aux        [n_pieces*S, n_aux, H] uint16 (bfloat16 bits), chunks (C, n_aux, H), shards (S, n_aux, H)
     final      [n_pieces*S, H]        uint16 (bfloat16 bits)

@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 drafter on packed shards (DESIGN §9): TTT loss, AdamW, warmup + cosine,
+"""Train an EAGLE-3 drafter on packed shards (docs/design.md: Drafter and training): TTT loss, AdamW, warmup + cosine,
 grad clip, bf16 autocast, exact resume, DDP under torchrun (gloo on CPU, NCCL on CUDA).
 
 A global step consumes `micro_batches` micro-batches; rank r of W takes every W-th of them, so
@@ -179,7 +179,7 @@ class Trainer:
         self.opt.load_state_dict(ck["opt"])
         self.sched.load_state_dict(ck["sched"])
         self.state = ck["state"]
-        torch.set_rng_state(ck["rng"]["torch"])
+        torch.set_rng_state(ck["rng"]["torch"].cpu())  # map_location moved it to the device
         np.random.set_state(ck["rng"]["numpy"])
         random.setstate(ck["rng"]["python"])
         log.info("resumed from %s at epoch %d step %d", self.ckpt_path, self.state["epoch"], self.state["step_in_epoch"])

@@ -1,4 +1,4 @@
-"""Training-time test (DESIGN §9): unroll the drafter K steps over every position at once.
+"""Training-time test (docs/design.md: Drafter and training): unroll the drafter K steps over every position at once.
 
 Cell t at step k: hidden input = the drafter's own h from step k-1 (fc(aux_t) at step 0), token input
 = x_{t+1+k} (teacher forcing), RoPE position t+k; it attends to the step-0 keys of cells <= t and to

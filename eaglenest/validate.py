@@ -1,4 +1,4 @@
-"""Validation gate (DESIGN §6): recompute a seeded subset with an independent reference — float32,
+"""Validation gate (docs/design.md: Gate): recompute a seeded subset with an independent reference — float32,
 eager attention, one sequence at a time, no padding — and compare per token and per tap.
 
 Figures per tap: cosine (mean, min over tokens) and relative error ||s-r||/||r|| (mean, max).

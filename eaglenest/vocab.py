@@ -1,4 +1,4 @@
-"""Draft vocabulary (DESIGN §8): the N most frequent target tokens under the loss mask.
+"""Draft vocabulary (docs/design.md: Pack): the N most frequent target tokens under the loss mask.
 d2t[i] = selected[i] - i (int64 offsets: target_id = i + d2t[i]); t2d bool over the target vocab."""
 import numpy as np
 

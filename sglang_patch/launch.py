@@ -5,8 +5,9 @@
 
 Capture needs every prompt position computed in one prefill forward, so this launcher ADDS
   --disable-radix-cache --chunked-prefill-size -1 --disable-cuda-graph --pp-size 1 --skip-tokenizer-init
-(and --host 127.0.0.1 unless --host is given) and REFUSES flags that contradict them, and SGLang
-versions outside the supported range. With --device cpu it also sets SGLANG_USE_CPU_ENGINE=1,
+(and --host 127.0.0.1 unless --host is given) and REFUSES arguments that contradict them, judged by
+what SGLang's own parser makes of them (any spelling it accepts), and SGLang versions outside the
+supported range. With --device cpu it also sets SGLANG_USE_CPU_ENGINE=1,
 defaults --attention-backend torch_native, --mem-fraction-static 0.3, --max-total-tokens 32768,
 --disable-overlap-schedule and --sleep-on-idle,
 and, when SGLang's CPU kernel package is not installed, puts a pure-torch stand-in on PYTHONPATH
@@ -25,21 +26,24 @@ from .protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS, PLU
 
 ENFORCED = [("--disable-radix-cache", None), ("--chunked-prefill-size", "-1"), ("--disable-cuda-graph", None),
             ("--pp-size", "1"), ("--skip-tokenizer-init", None)]
-# flag -> (values that are fine, why anything else contradicts capture)
-CONTRADICTING = {
-    "--chunked-prefill-size": ({"-1"}, "chunked prefill splits a prompt over several forwards (partial captures)"),
-    "--enable-dynamic-chunking": (set(), "chunks prompts (partial captures)"),
-    "--enable-mixed-chunk": (set(), "mixes prefill chunks into decode batches"),
-    "--radix-cache-backend": (set(), "turns a prefix cache on: cached positions are never recomputed"),
-    "--enable-session-radix-cache": (set(), "a prefix cache: cached positions are never recomputed"),
-    "--enable-hierarchical-cache": (set(), "a prefix cache: cached positions are never recomputed"),
-    "--pp-size": ({"1"}, "only the last pipeline stage captures aux states"),
-    "--pipeline-parallel-size": ({"1"}, "only the last pipeline stage captures aux states"),
-    "--cuda-graph-backend-prefill": ({"disabled"}, "prefill CUDA graphs replay static buffers over the layer stack"),
-    "--cuda-graph-config": (set(), "may enable prefill CUDA graphs"),
-    "--enable-piecewise-cuda-graph": (set(), "prefill CUDA graphs replay static buffers over the layer stack"),
-    "--enable-dp-attention": (set(), "DP attention shards tokens across ranks"),
-    "--speculative-algorithm": (set(), "a speculative server verifies drafts instead of running plain prefill"),
+# SGLang's own option (argparse dest) -> (values that are fine, why anything else contradicts capture).
+# The arguments are parsed by SGLang's parser, so every spelling it accepts (an abbreviation like
+# --speculative-algo, --opt=value, an alias like --pipeline-parallel-size) is judged by its meaning.
+FORBIDDEN = {
+    "disable_radix_cache": ({True}, "the prefix cache must be off: cached positions are never recomputed"),
+    "chunked_prefill_size": ({-1}, "chunked prefill splits a prompt over several forwards (partial captures)"),
+    "enable_dynamic_chunking": ({False, None}, "chunks prompts (partial captures)"),
+    "enable_mixed_chunk": ({False, None}, "mixes prefill chunks into decode batches"),
+    "radix_cache_backend": ({None}, "turns a prefix cache on: cached positions are never recomputed"),
+    "enable_session_radix_cache": ({False, None}, "a prefix cache: cached positions are never recomputed"),
+    "enable_hierarchical_cache": ({False, None}, "a prefix cache: cached positions are never recomputed"),
+    "pp_size": ({1}, "only the last pipeline stage captures aux states"),
+    "cuda_graph_backend_prefill": ({None, "disabled"}, "prefill CUDA graphs replay static buffers over the layer stack"),
+    "cuda_graph_config": ({None}, "may enable prefill CUDA graphs"),
+    "enable_piecewise_cuda_graph": ({False, None}, "prefill CUDA graphs replay static buffers over the layer stack"),
+    "enable_dp_attention": ({False, None}, "DP attention shards tokens across ranks"),
+    "speculative_algorithm": ({None}, "a speculative server verifies drafts instead of running plain prefill"),
+    "skip_tokenizer_init": ({True}, "the client sends token ids; a tokenizer would re-tokenize nothing but costs a process"),
 }
 # On CPU: the AMX attention backend needs the real kernel package; without --mem-fraction-static startup
 # fails; an idle scheduler otherwise spins a core at 100%; the KV pool would take ~30% of RAM.
@@ -53,29 +57,36 @@ class LaunchError(SystemExit):
         super().__init__(f"sglang_patch.launch: {msg}")
 
 
-def flag_values(args: list[str]) -> dict[str, str | None]:
-    """{flag: value or None} for `--flag value`, `--flag=value` and bare `--flag`."""
-    out, i = {}, 0
-    while i < len(args):
-        a = args[i]
-        if a.startswith("--"):
-            if "=" in a:
-                k, v = a.split("=", 1)
-                out[k] = v
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                out[a] = args[i + 1]
-                i += 1
-            else:
-                out[a] = None
-        i += 1
-    return out
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the problem, not SGLang's 600-line usage
+        raise LaunchError(f"SGLang's argument parser rejects the server arguments: {message}")
 
 
-def check_flags(flags: dict) -> None:
-    for flag, (fine, why) in CONTRADICTING.items():
-        if flag in flags and flags[flag] not in fine:
-            shown = f"{flag} {flags[flag]}" if flags[flag] is not None else flag
-            raise LaunchError(f"{shown} contradicts hidden-state capture: {why}")
+def sglang_parser() -> argparse.ArgumentParser:
+    """SGLang's own command-line parser, built as `sglang.launch_server` builds it (abbreviations allowed)."""
+    from sglang.srt.server_args import ServerArgs
+    parser = _Parser(prog="sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def option_names(parser: argparse.ArgumentParser, dest: str) -> str:
+    return "/".join(next(a.option_strings for a in parser._actions if a.dest == dest))
+
+
+def check_meaning(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Refuse the final arguments if any option SGLang parsed means something capture cannot allow."""
+    for dest, (fine, why) in FORBIDDEN.items():
+        if hasattr(ns, dest) and getattr(ns, dest) not in fine:  # options this SGLang lacks cannot be given
+            raise LaunchError(f"{option_names(parser, dest)} {getattr(ns, dest)} contradicts hidden-state capture: {why}")
+
+
+def add_unless_set(parser, user: argparse.Namespace, args: list[str], defaults) -> None:
+    """Append `flag [value]` for each default whose option the user left at SGLang's default."""
+    for flag, value in defaults:
+        dest = parser._option_string_actions[flag].dest
+        if getattr(user, dest) == parser.get_default(dest):
+            args += [flag] + ([value] if value is not None else [])
 
 
 def check_version() -> str:
@@ -110,27 +121,24 @@ def build(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
                     help="aux taps as HF hidden_states indices (input of layer j), e.g. 2,15,27; auto = [2, L//2, L-3]")
     ap.add_argument("--rid-prefix", default=DEFAULT_RID_PREFIX, help="only requests whose rid starts with this are captured")
     ours, rest = ap.parse_known_args(argv)
-    flags = flag_values(rest)
-    if "--model-path" not in flags and "--model" not in flags:
-        raise LaunchError("--model-path is required")
-    check_flags(flags)
     version = check_version()
+    parser = sglang_parser()
+    user = parser.parse_args(rest)
+    if not getattr(user, "model_path", None):
+        raise LaunchError("--model-path is required")
     args = list(rest)
-    for flag, value in ENFORCED:
-        if flag not in flags:
-            args += [flag] + ([value] if value is not None else [])
-    if "--host" not in flags:
-        args += ["--host", "127.0.0.1"]
+    add_unless_set(parser, user, args, ENFORCED + [("--host", "127.0.0.1")])
+    cpu = user.device == "cpu"
+    if cpu:
+        add_unless_set(parser, user, args, CPU_DEFAULTS)
+    check_meaning(parser, parser.parse_args(args))
     env = {ENV_DIR: capture_dir(ours.capture_dir), ENV_TAPS: ours.capture_taps, ENV_RID_PREFIX: ours.rid_prefix}
     if os.environ.get("SGLANG_PLUGINS") and PLUGIN_NAME not in os.environ["SGLANG_PLUGINS"].split(","):
         env["SGLANG_PLUGINS"] = os.environ["SGLANG_PLUGINS"] + "," + PLUGIN_NAME
-    if flags.get("--device") == "cpu":
+    if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        for flag, value in CPU_DEFAULTS:
-            if flag not in flags:
-                args += [flag] + ([value] if value is not None else [])
     standins = []
-    if flags.get("--device") == "cpu" and importlib.util.find_spec("sgl_kernel") is None:
+    if cpu and importlib.util.find_spec("sgl_kernel") is None:
         standins.append("sgl_kernel_cpu")
     if importlib.util.find_spec("torchvision") is None:
         standins.append("no_torchvision")

@@ -1,4 +1,4 @@
-"""The contract between the capture plugin (inside SGLang) and eaglenest's sglang client (DESIGN §6).
+"""The contract between the capture plugin (inside SGLang) and eaglenest's sglang client (docs/design.md: Extraction).
 Plain constants, imported on both sides."""
 import re
 

@@ -4,8 +4,11 @@ accounted for (regenerated, cut, skipped)."""
 import json
 
 import pytest
+import torch
 
-from eaglenest.batch_decode import decode_all, plan_batches
+from eaglenest import batch_decode
+from eaglenest.batch_decode import HFStepper, decode_all, decode_batch, left_pad, plan_batches
+from eaglenest.static_decode import StaticDecoder, supports
 from eaglenest.generate import regenerate
 from eaglenest.target import load_model, stop_ids
 
@@ -80,6 +83,34 @@ def test_batched_decoding_equals_one_by_one_and_plans_within_budget(fp32, smollm
     sampled = [decode_all(fp32, prompts, limits, eos, 0, temperature=1.0, seed=s) for s in (1, 1, 2)]
     assert [d.tokens for d in sampled[0]] == [d.tokens for d in sampled[1]]  # seeded
     assert [d.tokens for d in sampled[0]] != [d.tokens for d in sampled[2]]
+
+
+def test_static_decoder_steps_equal_the_transformers_forward(fp32, smollm2_tokenizer, monkeypatch):
+    """The CUDA-graphed path's step (run eagerly here: same tensors, no graph) against the model's own
+    forward: logits of prefill and every step, and whole batches with rows dropped as they finish."""
+    tok = smollm2_tokenizer
+    assert supports(fp32)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
+               ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]]
+    ids, attn = left_pad(prompts, 0, "cpu")
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    hf, st = HFStepper(fp32, ids.shape[1] + 6), StaticDecoder(fp32, len(prompts), ids.shape[1] + 6)
+    a, b = hf.prefill(ids, attn, pos), st.prefill(ids, attn, pos, chunk_tokens=16)  # rows in chunks
+    last = pos[:, -1]
+    for _ in range(5):
+        assert (a - b).abs().max() < 1e-3
+        nxt, last = a.argmax(-1), last + 1
+        a, b = hf.step(nxt, last), st.step(nxt, last)
+    keep = torch.tensor([0, 3])
+    hf.select(keep), st.select(keep)
+    assert (hf.step(nxt[keep], last[keep] + 1) - st.step(nxt[keep], last[keep] + 1)).abs().max() < 1e-3
+    eos, limits = stop_ids(fp32, tok), [9, 4, 12, 7]
+    ref = decode_batch(fp32, prompts, limits, eos, 0)
+    monkeypatch.setattr(batch_decode, "SHRINK", 1)  # drop rows at every look, as the HF path does
+    monkeypatch.setattr(batch_decode, "CHECK_EVERY", 2)
+    static = decode_batch(fp32, prompts, limits, eos, 0,
+                          stepper=StaticDecoder(fp32, len(prompts), ids.shape[1] + max(limits)))
+    assert [d.tokens for d in static] == [d.tokens for d in ref]
 
 
 def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):

@@ -1,6 +1,11 @@
-"""The client's per-request checks of an SGLang capture (DESIGN §6). Any failure means the capture
-does not hold every prompt position computed in one plain prefill, so it is never stored."""
+"""The client's per-request checks of an SGLang capture (docs/design.md: Extraction). Any failure means the capture
+does not hold every prompt position computed in one plain prefill, so it is never stored.
+
+A server's response is untrusted input: the receipt's fields are type-checked, and the only file the
+client ever reads or deletes for a request is `<capture dir>/<its rid>.safetensors`, a regular file
+in the directory the client created or was given; a receipt naming any other path stops the stage."""
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -9,13 +14,25 @@ from safetensors import safe_open
 
 from sglang_patch.protocol import CAPTURE_VERSION, RECEIPT_KEY
 
+from ..errors import EaglenestError
+
 
 class CaptureRejected(Exception):
     """One capture failed a check; the request may be retried."""
 
 
-def check_receipt(meta: dict, n_sent: int, taps: list[int]) -> dict:
-    """Checks on the response alone; returns the receipt."""
+RECEIPT_FIELDS = {"path": str, "n_positions": int, "prefix_len": int, "taps": list}
+
+
+def capture_path(capture_dir: Path, rid: str) -> Path:
+    """The one file a request may produce (the plugin's naming: sglang_patch.capture)."""
+    return Path(capture_dir).resolve() / f"{rid}.safetensors"
+
+
+def check_receipt(meta: dict, n_sent: int, taps: list[int], expected: Path) -> dict:
+    """Checks on the response alone; returns the receipt. `expected`: `capture_path` of this request."""
+    if not isinstance(meta, dict):
+        raise CaptureRejected(f"meta_info is a {type(meta).__name__}, not an object")
     cached = meta.get("cached_tokens", 0) or 0
     if cached != 0:
         raise CaptureRejected(f"cached_tokens={cached}: part of the prompt came from the prefix cache "
@@ -26,7 +43,19 @@ def check_receipt(meta: dict, n_sent: int, taps: list[int]) -> dict:
                               "plugin (start it with `python -m sglang_patch.launch`)")
     if len(receipts) != 1 or receipts[0] is None:
         raise CaptureRejected(f"{len(receipts)} capture receipts for one request (chunked prefill?)")
+    if not isinstance(receipts, list):
+        raise CaptureRejected(f"{RECEIPT_KEY} is a {type(receipts).__name__}, not a list")
     rc = receipts[0]
+    if not isinstance(rc, dict):
+        raise CaptureRejected(f"capture receipt is a {type(rc).__name__}, not an object")
+    for key, typ in RECEIPT_FIELDS.items():
+        if not isinstance(rc.get(key), typ) or isinstance(rc.get(key), bool):
+            raise CaptureRejected(f"capture receipt field {key!r} is {rc.get(key)!r}, not a {typ.__name__}")
+    if Path(rc["path"]).resolve() != expected:
+        # not a flaky capture: a server that names other files is misconfigured or hostile
+        raise EaglenestError(f"SGLang server's capture receipt names {rc['path']!r}, but this request's capture can "
+                             f"only be {expected}; refusing to read or delete it (is the server's --capture-dir "
+                             f"{expected.parent}?)")
     prompt = meta.get("prompt_tokens")
     if not rc["n_positions"] == prompt == n_sent:
         raise CaptureRejected(f"captured {rc['n_positions']} positions, prompt_tokens={prompt}, sent {n_sent} "
@@ -46,10 +75,14 @@ def load_capture(path: Path, ids: np.ndarray, n_aux: int, hidden: int) -> tuple[
     """Read and check one capture file; returns (aux [n, K, H], final [n, H]) in bfloat16."""
     n = len(ids)
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise CaptureRejected(f"capture file {path} is not a regular file (a link or device?)")
         with safe_open(str(path), framework="pt") as f:
             got_ids, aux, final = f.get_tensor("input_ids"), f.get_tensor("aux"), f.get_tensor("final")
-    except (OSError, ValueError, KeyError) as e:  # safetensors raises SafetensorError (a ValueError)
-        raise CaptureRejected(f"capture file {path} unreadable: {e}")
+    except CaptureRejected:
+        raise
+    except Exception as e:  # OSError, KeyError, safetensors' SafetensorError (an Exception from 0.8)
+        raise CaptureRejected(f"capture file {path} unreadable: {type(e).__name__}: {e}")
     if not np.array_equal(got_ids.numpy(), np.asarray(ids, dtype=np.int64)):
         raise CaptureRejected(f"capture file {path}: token ids differ from the ids sent")
     if tuple(aux.shape) != (n, n_aux, hidden) or tuple(final.shape) != (n, hidden):
@@ -60,7 +93,8 @@ def load_capture(path: Path, ids: np.ndarray, n_aux: int, hidden: int) -> tuple[
     return aux.to(torch.bfloat16), final.to(torch.bfloat16)
 
 
-def remove(path) -> None:
+def remove(path: Path) -> None:
+    """Delete a request's own capture file (a link there is removed, never followed)."""
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -25,10 +25,10 @@ from ..errors import EaglenestError
 from ..target import Target
 from ..versions import CAPTURE_VERSIONS
 from . import SampleFailed
-from .capture_checks import CaptureRejected, check_receipt, load_capture, remove
+from .capture_checks import CaptureRejected, capture_path, check_receipt, load_capture, remove
 from .sglang_server import LaunchedServer, get_json, sglang_version
 
-from sglang_patch.protocol import DEFAULT_RID_PREFIX, RECEIPT_KEY, supported
+from sglang_patch.protocol import DEFAULT_RID_PREFIX, supported
 
 log = logging.getLogger(__name__)
 TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
@@ -80,6 +80,10 @@ class SGLangBackend:
         self.startup_timeout, self.log_dir = float(startup_timeout_s), Path(log_dir)
         self.server: LaunchedServer | None = None
         self.own_capture_dir = capture_dir is None and not self.urls
+        if capture_dir is None and self.urls:
+            raise EaglenestError("extract.sglang.capture_dir is required with server_url: the client reads and "
+                                 "deletes capture files only inside the directory it was given (the servers' "
+                                 "--capture-dir)")
         if self.own_capture_dir:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             capture_dir = tempfile.mkdtemp(prefix="eaglenest-capture-", dir=base)
@@ -153,34 +157,37 @@ class SGLangBackend:
                 self.server.check_alive()
             url = self.urls[next(self._next_url) % len(self.urls)]
             self.space.acquire(need)
-            written = []  # every file the server reports, deleted whether the capture passes or not
+            rid = f"{DEFAULT_RID_PREFIX}{uuid.uuid4().hex}"
+            path = capture_path(self.space.dir, rid)  # the only file this request may read or delete
             try:
-                meta = self._generate(url, ids)
-                written = [Path(r["path"]) for r in meta.get(RECEIPT_KEY) or [] if isinstance(r, dict) and "path" in r]
-                rc = check_receipt(meta, n, self.taps)
-                if self.space.dir is None:
-                    self.space.dir = Path(rc["path"]).parent  # server_url mode: learn where captures land
-                return load_capture(Path(rc["path"]), ids, len(self.taps), self.target.hidden_size)
+                meta = self._generate(url, ids, rid)
+                check_receipt(meta, n, self.taps, path)
+                return load_capture(path, ids, len(self.taps), self.target.hidden_size)
             except CaptureRejected as e:
                 reasons.append(f"attempt {attempt + 1}: {e}")
             except TRANSPORT_ERRORS as e:
                 reasons.append(f"attempt {attempt + 1}: {url} not answering ({e})")
                 time.sleep(min(2.0 ** attempt, 10.0))
             finally:
-                for path in written:
-                    remove(path)
+                remove(path)  # whether the capture passed or not
                 self.space.release(need)
         if self.server is not None:
             self.server.check_alive()
         raise SampleFailed(position, f"SGLang capture failed {len(reasons)} times: " + "; ".join(reasons))
 
-    def _generate(self, url: str, ids: np.ndarray) -> dict:
-        body = {"input_ids": [int(x) for x in ids], "rid": f"{DEFAULT_RID_PREFIX}{uuid.uuid4().hex}",
+    def _generate(self, url: str, ids: np.ndarray, rid: str) -> dict:
+        body = {"input_ids": [int(x) for x in ids], "rid": rid,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         req = urllib.request.Request(f"{url.rstrip('/')}/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            out = json.loads(r.read())
-        if isinstance(out, list):
+            raw = r.read()
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            raise CaptureRejected(f"{url}/generate answered {len(raw)} bytes that are not JSON") from None
+        if isinstance(out, list) and out:
             out = out[0]
+        if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+            raise CaptureRejected(f"{url}/generate answered without a meta_info object")
         return out["meta_info"]
