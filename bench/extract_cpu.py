@@ -18,11 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from eaglenest.backends.hf import HFBackend
-from eaglenest.extract import extract_part
-from eaglenest.extractor import resolve_taps
-from eaglenest.pieces import length_batches
+from eaglenest.extraction.backends.hf import HFBackend
+from eaglenest.extraction.loop import extract_part
+from eaglenest.extraction.plan import length_batches
+from eaglenest.taps import resolve_taps
 from eaglenest.target import load_target
+from stages import _params
 
 OUT = Path("bench/out")
 
@@ -67,7 +68,7 @@ def main() -> None:
         m = extract_part(part="bench", tokenized=sub, target=target, backend=be, taps=taps, dtype="bfloat16",
                          revision=0, layout_cfg=dict(chunk_mb=st["chunk_mb"], shard_mb=st["shard_mb"], codec=codec,
                                                      level=st["level"]),
-                         validate_cfg={"samples": 2}, out_dir=OUT / "store", work_root=OUT / "work",
+                         validate_cfg={**_params.load("validate"), "samples": 2}, out_dir=OUT / "store", work_root=OUT / "work",
                          batch_tokens=bt, max_seq_len=int(params["tokenize"]["max_seq_len"]), progress=False)
         results[codec] = {"end_to_end_tok_s": m["tokens_per_s"], "bytes_per_token": m["bytes_per_token"],
                           "compression_ratio": m["compression_ratio"],

@@ -17,12 +17,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
-from eaglenest.backends.hf import HFBackend
-from eaglenest.backends.sglang_client import SGLangBackend
-from eaglenest.extract import extract_part
-from eaglenest.extractor import resolve_taps
-from eaglenest.pieces import length_batches
+from eaglenest.extraction.backends.hf import HFBackend
+from eaglenest.extraction.backends.sglang_client import SGLangBackend
+from eaglenest.extraction.loop import extract_part
+from eaglenest.extraction.plan import length_batches
+from eaglenest.taps import resolve_taps
 from eaglenest.target import load_target
+from stages import _params
 
 from .extract_cpu import OUT, subset
 
@@ -41,7 +42,7 @@ def end_to_end(backend, sub, target, taps, params, batch_tokens) -> dict:
     st = params["store"]
     m = extract_part(part="bench", tokenized=sub, target=target, backend=backend, taps=taps, dtype="bfloat16",
                      revision=0, layout_cfg={k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")},
-                     validate_cfg={"samples": 4}, out_dir=OUT / "store", work_root=OUT / "work",
+                     validate_cfg={**_params.load("validate"), "samples": 4}, out_dir=OUT / "store", work_root=OUT / "work",
                      batch_tokens=batch_tokens, max_seq_len=int(params["tokenize"]["max_seq_len"]), progress=False)
     v = m["validation"]["taps"]
     return {"end_to_end_tok_s": m["tokens_per_s"], "gate_passed": m["validation"]["passed"],

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_clocks import ClockSampler
+from stages import _params
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out/gpu"))
 T = 2048
@@ -130,9 +131,9 @@ def bench_extraction(res, args, peak, clocks):
     import pyarrow.parquet as pq
     from transformers import LlamaForCausalLM
 
-    from eaglenest.backends.hf import HFBackend
-    from eaglenest.chat import SCHEMA
-    from eaglenest.extract import extract_part
+    from eaglenest.data.chat import SCHEMA
+    from eaglenest.extraction.backends.hf import HFBackend
+    from eaglenest.extraction.loop import extract_part
     from eaglenest.target import materialize
     cfg = llama8b(args.layers)
     torch.manual_seed(0)
@@ -155,13 +156,13 @@ def bench_extraction(res, args, peak, clocks):
     ids = torch.randint(3, 128000, (args.batch_tokens // T, T), device="cuda")  # no mask, as extract runs it
     for compiled in (False, True) if args.compile else (False,):
         be = HFBackend(target, taps, device="cuda", compile=compiled)
-        be._load()
+        be.load()
         n_params = sum(p.numel() for n, p in be.decoder.named_parameters() if "embed" not in n)
         tag = "compiled" if compiled else "plain"
         t = time.time()
         with torch.inference_mode():
             if not be.warm:
-                be._warm(ids)  # the batch-1 graphs, as a part's first batch compiles them
+                be.warm_up(ids)  # the batch-1 graphs, as a part's first batch compiles them
             be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)  # compiles
         res[f"forward_{tag}_first_call_s"] = round(time.time() - t, 1)
         fwd_clocks = {}
@@ -206,7 +207,8 @@ def bench_extraction(res, args, peak, clocks):
             # random 32-layer bf16 weights drift more than a trained model (rel err ~0.065 at the deep
             # taps): thresholds are per target. The host-only run stores random states, so its gate is
             # skipped (samples 0).
-            gate = {"samples": 0 if backend is not be else 1, "max_rel_err_mean": 0.1, "max_rel_err_token": 0.3}
+            gate = {**_params.load("validate"), "samples": 0 if backend is not be else 1, "max_rel_err_mean": 0.1,
+                    "max_rel_err_token": 0.3}
             run_clocks = {}
             with clocks.window(run_clocks):
                 m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
@@ -243,10 +245,10 @@ def bench_extraction(res, args, peak, clocks):
 
 def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_kernel: bool = True, reps: int = 6,
                   profile: bool = False) -> dict:
-    from eaglenest import fused_loss
-    from eaglenest.drafter import Eagle3Drafter
-    from eaglenest.train import FrozenEmbedding
-    from eaglenest.ttt import ttt_loss
+    from eaglenest.drafter import fused_loss
+    from eaglenest.drafter.model import Eagle3Drafter
+    from eaglenest.drafter.train import FrozenEmbedding
+    from eaglenest.drafter.ttt import ttt_loss
     fused_loss.COMPILE_ON_CUDA = loss_kernel
     torch.manual_seed(0)
     drafter = Eagle3Drafter(dcfg).cuda()
@@ -323,7 +325,7 @@ def kernel_profile(fn) -> dict:
 
 
 def bench_training(res, args):
-    from eaglenest.drafter import DrafterConfig
+    from eaglenest.drafter.model import DrafterConfig
     dcfg = DrafterConfig.from_target(llama8b(32).to_dict(), 32000, [2, 16, 29])
     # (attention, fused loss, compiled layer, compiled loss kernel)
     variants = [("eager", False, False, False), ("flex", True, False, False), ("flex", True, False, True),
@@ -348,8 +350,8 @@ def bench_loader(res, target):
     training step consumes (aux + final bf16 per token)."""
     import random
 
-    from eaglenest.pack import pack
-    from eaglenest.packed import PackedSplit, collate
+    from eaglenest.data.pack import pack
+    from eaglenest.data.packed import PackedSplit, collate
     from eaglenest.target import load_heads
     t = time.time()
     pack([LOADER_PART], OUT / "hidden", OUT / "tokenized", OUT / "packed", lm_head=load_heads(target)["lm_head"],
@@ -379,10 +381,12 @@ def bench_trainer(res, target, steps: int = 40):
     read back — after 3 warm-up steps (compilation)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglenest.train import Trainer, TrainConfig
+    from eaglenest.drafter.train import TrainConfig, Trainer
     torch.cuda.empty_cache()
-    tr = Trainer(OUT / "packed", target, TrainConfig(ttt_steps=7, batch_tokens=T, micro_batches=1, device="cuda"),
-                 OUT / "ckpt")
+    from stages import _params
+    cfg = TrainConfig.from_params({**_params.load("train"), "ttt_steps": 7, "batch_tokens": T, "micro_batches": 1,
+                                   "device": "cuda"})
+    tr = Trainer(OUT / "packed", target, cfg, OUT / "ckpt")
     plan = [[[i]] for i in range(len(tr.train_split))][:steps + 3]
     with ThreadPoolExecutor(1) as loader:
         for s, (micro, loaded) in enumerate(tr.prefetched(plan, loader)):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.backends.hf import HFBackend
-from eaglenest.extractor import resolve_taps
+from eaglenest.extraction.backends.hf import HFBackend
+from eaglenest.extraction.gate import token_stats
+from eaglenest.taps import resolve_taps
 from eaglenest.target import materialize
-from eaglenest.validate import token_stats
 
 
 def tiny_target(root: Path):
@@ -49,9 +49,8 @@ def padded_vs_one_by_one(target) -> dict:
 
 
 def ttt_checks() -> dict:
+    from eaglenest.drafter.ttt import ttt_loss
     from tests.test_drafter import make_drafter, naive_layer
-
-    from eaglenest.ttt import ttt_loss
     torch.manual_seed(1)
     d = make_drafter().double().cuda()
     emb = torch.nn.Embedding(300, 64).double().cuda()
@@ -97,12 +96,11 @@ def ttt_checks() -> dict:
 def speculative_lossless(target) -> dict:
     import numpy as np
 
+    from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.target import load_model
     from tests.conftest import random_samples
     from tests.test_train import oracle_drafter
-
-    from eaglenest.drafter import DrafterConfig, Eagle3Drafter
-    from eaglenest.speculative import TargetRunner, greedy_decode, speculative_decode
-    from eaglenest.target import load_model
     taps = [2, 4, 5]
     model = load_model(target, dtype="float32", device="cuda")
     runner, embed = TargetRunner(model, taps), model.get_input_embeddings()

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from eaglenest.batch_decode import HFStepper, decode_batch, left_pad
-from eaglenest.static_decode import StaticDecoder
+from eaglenest.decoding.batch_decode import HFStepper, decode_batch, left_pad
+from eaglenest.decoding.static_decode import StaticDecoder
 from eaglenest.target import load_model, load_target
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from eaglenest.hashing import content_digest
-from eaglenest.piece_io import BufferPool, _crc, encode_shard, write_piece_shared
-from eaglenest.store import Layout
+from eaglenest.store.hidden_store import Layout
+from eaglenest.store.shard_writer import BufferPool, crc32c, encode_shard, write_piece_shared
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out"))
 
@@ -56,7 +56,7 @@ def per_core(layout: Layout, a: dict) -> dict:
     dst[:] = 1  # touched: the pool reuses buffers
     out = {"fill_copy_GB_s": rate(aux.nbytes, lambda: np.copyto(dst, aux)),
            "digest_xxh3_GB_s": rate(aux.nbytes, lambda: content_digest(aux)),
-           "crc32c_GB_s": rate(aux.nbytes, lambda: _crc(aux))}
+           "crc32c_GB_s": rate(aux.nbytes, lambda: crc32c(aux))}
     for codec in ("none", "zstd"):
         parts = encode_shard(aux, layout.chunk_tokens, codec, 1, 0)
         out[f"encode_{codec}_GB_s"] = rate(aux.nbytes, lambda: encode_shard(aux, layout.chunk_tokens, codec, 1, 0))
@@ -119,7 +119,7 @@ def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) 
     """`write_piece` in P processes over shared memory, as `extract` runs it."""
     import zarr
 
-    from eaglenest.store import create_arrays
+    from eaglenest.store.hidden_store import create_arrays
     S = layout.shard_tokens
     rows = [{"start": 0, "length": S}]
     out = {}
@@ -168,9 +168,9 @@ def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[i
     durable commit): piece_s minus the measured phases is what the hand-over and commit cost."""
     import zarr
 
-    from eaglenest.extract import PieceWriter
-    from eaglenest.work_dir import WorkDir
-    from eaglenest.store import create_arrays
+    from eaglenest.extraction.work_dir import WorkDir
+    from eaglenest.extraction.writers import PieceWriter
+    from eaglenest.store.hidden_store import create_arrays
     S, out = layout.shard_tokens, {}
     for codec in ("none", "zstd"):
         lay = Layout(layout.hidden, layout.n_aux, layout.chunk_tokens, S, codec, 1)

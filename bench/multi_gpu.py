@@ -27,7 +27,7 @@ def build(args):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.chat import SCHEMA
+    from eaglenest.data.chat import SCHEMA
     from eaglenest.target import materialize
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
@@ -48,15 +48,16 @@ def build(args):
 
 
 def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:
-    from eaglenest.backends.hf import HFBackend
-    from eaglenest.extract import extract_part
-    from eaglenest.extractor import resolve_taps
+    from eaglenest.extraction.backends.hf import HFBackend
+    from eaglenest.extraction.loop import extract_part
+    from eaglenest.taps import resolve_taps
     from eaglenest.target import load_target
+    from stages import _params
     t = load_target(OUT / "target")
     taps = resolve_taps("auto", t.num_layers)
     return extract_part(part=part, tokenized=OUT / "tokenized" / f"{part}.parquet", target=t,
                         backend=HFBackend(t, taps, device=device), taps=taps, dtype="bfloat16", revision=0,
-                        layout_cfg=dict(chunk_mb=1, shard_mb=256, codec="none", level=1), validate_cfg={"samples": 4},
+                        layout_cfg=dict(chunk_mb=1, shard_mb=256, codec="none", level=1), validate_cfg={**_params.load("validate"), "samples": 4},
                         out_dir=Path(out_root) / part, work_root=Path(out_root) / "work", batch_tokens=16384,
                         max_seq_len=seq, progress=False)
 
@@ -64,10 +65,12 @@ def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:
 def train_main(args):
     import torch.distributed as dist
 
+    from eaglenest.drafter.train import TrainConfig, Trainer
     from eaglenest.target import load_target
-    from eaglenest.train import TrainConfig, Trainer
-    cfg = TrainConfig(epochs=1, lr=1e-3, ttt_steps=7, batch_tokens=args.seq * 4, micro_batches=4, autocast="bf16",
-                      ckpt_every=10**9, device="cuda")
+    from stages import _params
+    cfg = TrainConfig.from_params({**_params.load("train"), "epochs": 1, "lr": 1e-3, "ttt_steps": 7,
+                                   "batch_tokens": args.seq * 4, "micro_batches": 4, "autocast": "bf16",
+                                   "ckpt_every": 10**9, "device": "cuda"})
     tr = Trainer(OUT / "packed", load_target(OUT / "target"), cfg, OUT / f"ckpt-{os.environ.get('WORLD_SIZE')}")
     if tr.ckpt_path.exists():
         tr.ckpt_path.unlink()
@@ -81,8 +84,9 @@ def train_main(args):
 
 def run_all(args):
     import torch
-    from eaglenest.pack import pack
-    from eaglenest.store import HiddenStore
+
+    from eaglenest.data.pack import pack
+    from eaglenest.store.hidden_store import HiddenStore
     from eaglenest.target import load_heads, load_target
     res = {"gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0), "hidden": args.hidden,
            "layers": args.layers}

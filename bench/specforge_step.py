@@ -26,16 +26,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=6)
     args = ap.parse_args()
-    from transformers import LlamaConfig
-
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.optimizer import BF16Optimizer
     from specforge.utils import padding
+    from transformers import LlamaConfig
 
-    from eaglenest.drafter import DrafterConfig, Eagle3Drafter
-    from eaglenest.train import FrozenEmbedding
-    from eaglenest.ttt import ttt_loss
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.train import FrozenEmbedding
+    from eaglenest.drafter.ttt import ttt_loss
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=14336, num_hidden_layers=1,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,

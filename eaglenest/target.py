@@ -9,9 +9,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import EaglenestError
-from .hashing import sha256_file, sha256_text
-from .wheels import package_file
+from eaglenest.errors import EaglenestError
+from eaglenest.hashing import sha256_file, sha256_text
+from eaglenest.wheels import package_file
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import argparse
 from pathlib import Path
 
 from eaglenest.atomic import write_json
-from eaglenest.backends import make_backend
 from eaglenest.errors import exit_on_error
-from eaglenest.extract import GateFailed, extract_part
-from eaglenest.extractor import resolve_taps
+from eaglenest.extraction.backends import make_backend
+from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target
 
 from . import _params

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from eaglenest.atomic import write_json
-from eaglenest.conversations import read_jsonl, write_jsonl
+from eaglenest.data.conversations import read_jsonl, write_jsonl
+from eaglenest.data.generate import regenerate
 from eaglenest.errors import exit_on_error
-from eaglenest.generate import regenerate
 from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
 
 from . import _params

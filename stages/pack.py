@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from eaglenest.atomic import write_json
+from eaglenest.data.pack import pack
 from eaglenest.errors import exit_on_error
-from eaglenest.pack import pack
 from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params

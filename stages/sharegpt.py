@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from eaglenest.atomic import write_json
-from eaglenest.conversations import sharegpt_conversations, write_jsonl
+from eaglenest.data.conversations import sharegpt_conversations, write_jsonl
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.wheels import package_file
 

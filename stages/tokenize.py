@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eaglenest.atomic import write_json
-from eaglenest.chat import require_template, tokenize_part
-from eaglenest.conversations import read_jsonl
+from eaglenest.data.chat import require_template, tokenize_part
+from eaglenest.data.conversations import read_jsonl
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.target import load_target, load_tokenizer
 

@@ -7,13 +7,12 @@ to .eaglenest/train/ (outside DVC outputs); a rerun with the same config resumes
 dvclive logs per-epoch loss, accuracy per TTT step and simulated acceptance length.
 """
 import argparse
-from dataclasses import fields
 from pathlib import Path
 
 from eaglenest.atomic import write_json
+from eaglenest.drafter.train import TrainConfig, Trainer
 from eaglenest.errors import exit_on_error
 from eaglenest.target import load_target
-from eaglenest.train import TrainConfig, Trainer
 
 from . import _params
 
@@ -27,7 +26,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-dir", default=".eaglenest/train")
     args = ap.parse_args(argv)
     p = _params.load("train")
-    cfg = TrainConfig(**{f.name: p[f.name] for f in fields(TrainConfig) if f.name in p})
+    cfg = TrainConfig.from_params(p)
     trainer = Trainer(Path("data/packed"), load_target(Path("data/target")), cfg, Path(args.ckpt_dir))
     rank0 = trainer.rank == 0
     live = None

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.chat import SCHEMA
+from eaglenest.data.chat import SCHEMA
 from eaglenest.target import fingerprint, load_target, materialize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,12 +92,18 @@ def stage_workspace(root: Path, target, params: dict) -> Path:
     return root
 
 
+def gate(samples: int) -> dict:
+    """The validation gate's thresholds as params.yaml sets them (their one home), on `samples` samples."""
+    import yaml
+    return {**yaml.safe_load((REPO / "params.yaml").read_text())["validate"], "samples": samples}
+
+
 def base_params(**over) -> dict:
     p = {"tokenize": {"max_seq_len": 128, "on_error": "fail"},
          "extract": {"backend": "hf", "taps": "auto", "dtype": "bfloat16", "revision": 0, "device": "cpu",
                      "batch_tokens": 1024, "work_dir": ".eaglenest/work"},
          "store": {"codec": "zstd", "level": 1, "chunk_mb": 0.05, "shard_mb": 0.5},
-         "validate": {"samples": 4, "seed": 0}}
+         "validate": gate(4)}
     for k, v in over.items():
         p[k] = {**p.get(k, {}), **v}
     return p
@@ -107,10 +113,11 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
     """Two parts of random token sequences extracted from the tiny target (states in `states`)
     and packed; returns a stage workspace holding data/target and data/packed."""
     import pyarrow as pa
-    from eaglenest.backends.hf import HFBackend
-    from eaglenest.extract import extract_part
-    from eaglenest.extractor import resolve_taps
-    from eaglenest.pack import pack
+
+    from eaglenest.data.pack import pack
+    from eaglenest.extraction.backends.hf import HFBackend
+    from eaglenest.extraction.loop import extract_part
+    from eaglenest.taps import resolve_taps
     from eaglenest.target import load_heads
     ws = stage_workspace(root, tiny_target, base_params())
     taps = resolve_taps("auto", tiny_target.num_layers)
@@ -128,7 +135,7 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
                      backend=HFBackend(tiny_target, taps, device="cpu", states=states), taps=taps,
                      dtype="bfloat16", revision=0,
                      layout_cfg=dict(chunk_mb=0.01, shard_mb=0.1, codec="zstd", level=1, states=states),
-                     validate_cfg={"samples": 2}, out_dir=ws / "data" / "hidden" / part,
+                     validate_cfg=gate(2), out_dir=ws / "data" / "hidden" / part,
                      work_root=ws / ".eaglenest" / "work", batch_tokens=512, max_seq_len=64, progress=False)
     pack(["a", "b"], ws / "data" / "hidden", ws / "data" / "tokenized", ws / "data" / "packed",
          lm_head=load_heads(tiny_target)["lm_head"], draft_vocab_size=48, val_fraction=0.15, shard_mb=0.05,
@@ -144,7 +151,7 @@ def tiny_packed(tiny_target, tmp_path_factory):
 def train_params(**over) -> dict:
     t = {"epochs": 2, "lr": 0.003, "warmup": 0.1, "weight_decay": 0.0, "grad_clip": 0.5, "ttt_steps": 3,
          "decay": 0.8, "batch_tokens": 240, "micro_batches": 2, "seed": 0, "autocast": "none", "ckpt_every": 1,
-         "device": "cpu"}
+         "device": "cpu", "attention": "auto", "compile": "auto"}
     t.update(over)
     return t
 

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from eaglenest.chat import require_template, tokenize_conversation, tokenize_part
+from eaglenest.data.chat import require_template, tokenize_conversation, tokenize_part
 from eaglenest.errors import EaglenestError
 
 CONV = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},

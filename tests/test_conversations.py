@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eaglenest.conversations import clean_exchange, iter_salvaged_json_array, read_jsonl, sharegpt_conversations
+from eaglenest.data.conversations import clean_exchange, iter_salvaged_json_array, read_jsonl, sharegpt_conversations
 from eaglenest.errors import EaglenestError
 
 GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

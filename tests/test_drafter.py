@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eaglenest.drafter import DrafterConfig, Eagle3Drafter
-from eaglenest.vocab import build_vocab
+from eaglenest.data.vocab import build_vocab
+from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
 
 TARGET_CFG = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
@@ -127,7 +127,7 @@ def _loss_batch(B=2, T=24, seed=3):
 def test_fused_loss_head_equals_plain_loss(autocast):
     """The fused head (gradients formed in the forward, chunked, teacher in one padded buffer) gives
     the plain loss, stats and gradients: fp32 exactly up to summation order; bf16 autocast within bf16."""
-    from eaglenest.ttt import ttt_loss
+    from eaglenest.drafter.ttt import ttt_loss
     batch, emb = _loss_batch(), torch.nn.Embedding(300, 64)
     head = torch.randn(40, 64) * 0.3
     results = []

@@ -2,12 +2,11 @@
 evaluate stage's quality gate on the real target."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
-from eaglenest import batched_speculative as bs
-from eaglenest.speculative import TargetRunner, draft_chain, greedy_decode, speculative_decode
+from eaglenest.decoding import batched_speculative as bs
+from eaglenest.decoding.speculative import TargetRunner, draft_chain, greedy_decode, speculative_decode
 from eaglenest.target import load_model
 
 from .conftest import random_samples, run_py, stage_workspace
@@ -77,7 +76,7 @@ def test_batched_greedy_and_speculative_equal_batch1(tiny_target, tiny_fp32, see
 
 
 def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_path):
-    from eaglenest.drafter import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
     ws = stage_workspace(tmp_path / "ws", smollm2, {"evaluate": {
         "questions": 3, "k": [2, 3], "max_new_tokens": 8, "dtype": "float32", "device": "cpu", "batch_size": 3,
         "speed_questions": 1, "min_tau": 1.5}})

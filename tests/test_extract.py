@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from eaglenest.backends.hf import HFBackend
 from eaglenest.errors import EaglenestError
-from eaglenest.extract import GateFailed, extract_part
-from eaglenest.extractor import resolve_taps
-from eaglenest.store import HiddenStore, verify_store
-from eaglenest.validate import Reference, token_stats
+from eaglenest.extraction.backends.hf import HFBackend
+from eaglenest.extraction.gate import Reference, token_stats
+from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.store.hidden_store import HiddenStore, verify_store
+from eaglenest.taps import resolve_taps
 
-from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
+from .conftest import REPO, base_params, gate, random_samples, run_py, stage_workspace, write_tokenized
 
 
 @pytest.mark.parametrize("dtype, min_cos, max_rel", [("float32", 0.999999, 2e-5), ("bfloat16", 0.999, 0.03)])
@@ -93,7 +93,7 @@ class PreNormFinal(HFBackend):
     """Stores the last layer's output BEFORE the final norm as `final`."""
     def extract_async(self, batch):
         if self.decoder is None:
-            self._load()
+            self.load()
         grabbed = {}
         h = self.decoder.norm.register_forward_pre_hook(lambda _m, a: grabbed.setdefault("x", a[0]))
         try:
@@ -123,7 +123,7 @@ def test_gate_rejects_injected_defects(smollm2, tmp_path, defect, tap):
     with pytest.raises(GateFailed) as e:  # writer processes: piece buffers in shared memory
         extract_part(part="p", tokenized=tok, target=smollm2, backend=defect(smollm2, taps, device="cpu"), taps=taps,
                      dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1),
-                     validate_cfg={"samples": 4}, out_dir=out, work_root=tmp_path / "work", batch_tokens=512,
+                     validate_cfg=gate(4), out_dir=out, work_root=tmp_path / "work", batch_tokens=512,
                      max_seq_len=128, progress=False, writers=2)
     assert not out.exists(), "a failed gate must commit nothing"
     assert set(os.listdir("/dev/shm")) - shm == set(), "the piece buffers are freed on failure too"
@@ -152,7 +152,7 @@ def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
     tok = write_tokenized(tmp_path / "p.parquet", random_samples(6, 20000, 20, 80, seed=3))
     m = extract_part(part="p", tokenized=tok, target=smollm2, backend=HFBackend(smollm2, taps, device="cpu"),
                      taps=taps, dtype="bfloat16", revision=0,
-                     layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1), validate_cfg={"samples": 4},
+                     layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1), validate_cfg=gate(4),
                      out_dir=tmp_path / "hidden" / "p", work_root=tmp_path / "work", batch_tokens=512,
                      max_seq_len=128, progress=False)
     v = m["validation"]
@@ -173,7 +173,7 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
         m = extract_part(part="p", tokenized=tok, target=tiny_target, backend=HFBackend(tiny_target, taps, device="cpu"),
                      taps=taps, dtype="float32", revision=0,
                      layout_cfg=dict(chunk_mb=0.005, shard_mb=0.02, codec="zstd", level=1),
-                     validate_cfg={"samples": 2}, out_dir=tmp_path / f"w{writers}", work_root=tmp_path / "work",
+                     validate_cfg=gate(2), out_dir=tmp_path / f"w{writers}", work_root=tmp_path / "work",
                      batch_tokens=256, max_seq_len=64, progress=False, writers=writers)
         store = HiddenStore(tmp_path / f"w{writers}")
         assert verify_store(store.path, progress=False) == []

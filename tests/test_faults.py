@@ -9,7 +9,7 @@ import time
 import pytest
 import yaml
 
-from eaglenest.store import HiddenStore, verify_store
+from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
 from .test_store import flip_byte

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from eaglenest.store import HiddenStore, verify_store
+from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 from .conftest import make_clone, sh, tiny_params
 

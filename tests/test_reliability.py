@@ -15,12 +15,12 @@ import psutil
 import pytest
 import zarr
 
-from eaglenest import extract as extract_mod
-from eaglenest.conversations import read_jsonl
+from eaglenest.data.conversations import read_jsonl
 from eaglenest.errors import EaglenestError
-from eaglenest.piece_io import SHM_PREFIX, sweep_stale_shm
-from eaglenest.store import HiddenStore, Layout, verify_store
-from eaglenest.work_dir import WorkDir, check_writable, part_lock, publish
+from eaglenest.extraction import loop as extract_mod
+from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
+from eaglenest.store.hidden_store import HiddenStore, Layout, verify_store
+from eaglenest.store.shard_writer import SHM_PREFIX, sweep_stale_shm
 
 from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
 

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from eaglenest.backends import SampleFailed
-from eaglenest.backends.hf import HFBackend
-from eaglenest.backends.sglang_client import SGLangBackend
-from eaglenest.backends.sglang_server import LaunchedServer, free_port
-from eaglenest.bf16 import from_bits
 from eaglenest.errors import EaglenestError
-from eaglenest.extract import extract_part
-from eaglenest.extractor import resolve_taps
-from eaglenest.store import HiddenStore
+from eaglenest.extraction.backends import SampleFailed
+from eaglenest.extraction.backends.hf import HFBackend
+from eaglenest.extraction.backends.sglang_client import SGLangBackend
+from eaglenest.extraction.backends.sglang_server import LaunchedServer, free_port
+from eaglenest.extraction.loop import extract_part
+from eaglenest.store.bf16 import from_bits
+from eaglenest.store.hidden_store import HiddenStore
+from eaglenest.taps import resolve_taps
 from sglang_patch import launch
 from sglang_patch.protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS
 
@@ -87,8 +87,7 @@ def server(smollm2, tmp_path_factory):
 def client(smollm2, srv, taps=None, **kw) -> SGLangBackend:
     taps = taps or resolve_taps("auto", smollm2.num_layers)
     return SGLangBackend(smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url,
-                         capture_dir=str(srv.cmd[srv.cmd.index("--capture-dir") + 1]) if "--capture-dir" in srv.cmd
-                         else None, **kw)
+                         capture_dir=str(srv.capture_dir), **kw)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

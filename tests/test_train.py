@@ -1,6 +1,5 @@
 """Training: pack outputs, exact resume, DDP (2 gloo processes) == 1 process, speculative decoding."""
 import json
-import os
 import shutil
 
 import numpy as np
@@ -9,9 +8,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglenest.drafter import Eagle3Drafter
-from eaglenest.packed import PackedSplit
-from eaglenest.speculative import TargetRunner, greedy_decode, speculative_decode
+from eaglenest.data.packed import PackedSplit
+from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
+from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.target import load_model
 
 from .conftest import build_packed, random_samples, run_py, train_params
@@ -41,9 +40,10 @@ def test_pack_layout_and_vocab(tiny_packed):
 
 def test_fp8_states_stay_fp8_in_the_pack_and_decode_to_the_stores_values(tiny_target, tmp_path):
     import pyarrow.parquet as pq
-    from eaglenest.bf16 import from_bits
-    from eaglenest.packed import collate, decode_states
-    from eaglenest.store import HiddenStore
+
+    from eaglenest.data.packed import collate, decode_states
+    from eaglenest.store.bf16 import from_bits
+    from eaglenest.store.hidden_store import HiddenStore
     ws = build_packed(tmp_path / "ws", tiny_target, states="fp8")
     packed = ws / "data/packed"
     assert json.loads((packed / "manifest.json").read_text())["states"] == "fp8"
@@ -100,7 +100,7 @@ def tiny_fp32(tiny_target):
 
 
 def tiny_drafter(tiny_target, taps, seed):
-    from eaglenest.drafter import DrafterConfig
+    from eaglenest.drafter.model import DrafterConfig
     cfg = json.loads((tiny_target.model_dir / "config.json").read_text())
     torch.manual_seed(seed)
     d = Eagle3Drafter(DrafterConfig.from_target(cfg, 64, taps))
@@ -140,7 +140,7 @@ def test_speculative_decoding_is_lossless(tiny_target, tiny_fp32, seed):
 def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_path, monkeypatch):
     """DVC reruns train after a code change; a finished checkpoint of the old code must not be
     'resumed' (it would export the old drafter as the new one)."""
-    from eaglenest import train as T
+    from eaglenest.drafter import train as T
     from eaglenest.target import load_target
 
     def trainer():

@@ -5,7 +5,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.store import HiddenStore, verify_store
+from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 from .conftest import commit, make_clone, ran, sh, tiny_params, write_params
 

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from . import state_format
-from .errors import EaglenestError
-from .pack import TOKEN_ARRAYS, packed_arrays
+from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays
+from eaglenest.errors import EaglenestError
+from eaglenest.store import states as state_format
 
 
 class PackedSplit:

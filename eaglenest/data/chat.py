@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from .errors import EaglenestError
+from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 

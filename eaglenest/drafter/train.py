@@ -12,40 +12,50 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .drafter import DrafterConfig, Eagle3Drafter
-from .errors import EaglenestError
-from .hashing import sha256_file, sha256_text
-from .packed import PackedSplit, collate, decode_states, epoch_batches, load_vocab
-from .target import Target, load_heads
-from .ttt import ttt_loss
+from eaglenest.data.packed import PackedSplit, collate, decode_states, epoch_batches, load_vocab
+from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.ttt import ttt_loss
+from eaglenest.errors import EaglenestError
+from eaglenest.hashing import sha256_file, sha256_text
+from eaglenest.target import Target, load_heads
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 2
-    lr: float = 3e-4
-    warmup: float = 0.05          # fraction of all steps
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    ttt_steps: int = 3
-    decay: float = 0.8
-    batch_tokens: int = 4096      # padded tokens per micro-batch
-    micro_batches: int = 2        # per optimizer step, over all ranks
-    seed: int = 0
-    autocast: str = "auto"        # auto (bf16 where supported) | bf16 | none
-    ckpt_every: int = 50          # optimizer steps between checkpoints
-    device: str = "auto"
-    attention: str = "auto"       # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
-    compile: str = "auto"         # auto (on CUDA) | true | false: torch.compile around the attention kernel
+    """The `train` section of params.yaml, its one home: no defaults here (every stage, test and bench
+    states every field); `from_params` names a missing or unknown key."""
+    epochs: int
+    lr: float
+    warmup: float            # fraction of all steps
+    weight_decay: float
+    grad_clip: float
+    ttt_steps: int
+    decay: float
+    batch_tokens: int        # padded tokens per micro-batch
+    micro_batches: int       # per optimizer step, over all ranks
+    seed: int
+    autocast: str            # auto (bf16 where supported) | bf16 | none
+    ckpt_every: int          # optimizer steps between checkpoints
+    device: str
+    attention: str           # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
+    compile: str             # auto (on CUDA) | true | false: torch.compile around the attention kernel
+
+    @classmethod
+    def from_params(cls, p: dict) -> "TrainConfig":
+        names = [f.name for f in fields(cls)]
+        missing, unknown = [n for n in names if n not in p], [k for k in p if k not in names]
+        if missing or unknown:
+            raise EaglenestError(f"train params: missing {missing}, unknown {unknown} (params.yaml `train`)")
+        return cls(**{n: p[n] for n in names})
 
 
 class FrozenEmbedding(torch.nn.Module):
@@ -60,14 +70,16 @@ class FrozenEmbedding(torch.nn.Module):
         return torch.nn.functional.embedding(ids, self.weight).float()
 
 
-TRAINING_CODE = ("train.py", "ttt.py", "fused_loss.py", "drafter.py", "ttt_attention.py", "packed.py",
-                 "state_format.py")
+# The modules that define the training arithmetic: this package, the packed-shard reader and the state
+# decoding (the train stage's code deps in dvc.yaml: eaglenest/drafter, data/packed.py, store/states.py).
+PACKAGE = Path(__file__).parent
+TRAINING_CODE = (*sorted(p.relative_to(PACKAGE.parent) for p in PACKAGE.glob("*.py")),
+                 Path("data/packed.py"), Path("store/states.py"))
 
 
 def training_code_digest() -> str:
-    """sha256 over the modules that define the training arithmetic (the train stage's code deps)."""
-    here = Path(__file__).parent
-    return sha256_text(*(sha256_file(here / f) for f in TRAINING_CODE))
+    """sha256 over TRAINING_CODE: a checkpoint made by other training code is never resumed."""
+    return sha256_text(*(f"{p}={sha256_file(PACKAGE.parent / p)}" for p in TRAINING_CODE))
 
 
 def simulated_acceptance(acc: list[float]) -> float:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .kv_cache import cache_kwarg
+from eaglenest.decoding.kv_cache import cache_kwarg
 
 ARCHITECTURES = {"llama", "mistral", "qwen2"}  # pre-norm, RoPE, GQA, no q/k norm
 

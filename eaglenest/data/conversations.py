@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .errors import EaglenestError
+from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,6 @@ ROLE_ALIASES = {
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant",
 }
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass

@@ -12,9 +12,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from eaglenest.errors import EaglenestError
 from sglang_patch.protocol import CAPTURE_VERSION, RECEIPT_KEY
-
-from ..errors import EaglenestError
 
 
 class CaptureRejected(Exception):

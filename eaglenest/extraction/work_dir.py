@@ -19,8 +19,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic import fsync_path, write_json
-from .errors import EaglenestError
+from eaglenest.atomic import fsync_path, write_json
+from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 KEY_CHARS = 20

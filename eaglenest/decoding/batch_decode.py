@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import static_decode
-from .kv_cache import cache_kwarg, growing_cache
+from eaglenest.decoding import static_decode
+from eaglenest.decoding.kv_cache import cache_kwarg, growing_cache
 
 CHECK_EVERY = 8  # steps between looks at which rows finished (each look waits for the GPU)
 SHRINK = 4       # a CUDA-graphed batch drops its finished rows once they are 3/4 of it

@@ -3,8 +3,7 @@
 `close()`. A sample that fails for good raises `SampleFailed(position_in_batch, reason)`. The hf
 backend, built with `states="fp8"`, hands over each sample's stored arrays instead (a dict from
 `state_format.encode`, quantized on its device); extract quantizes other backends' bf16 states."""
-from ..errors import EaglenestError
-from ..versions import CAPTURE_VERSIONS  # noqa: F401
+from eaglenest.errors import EaglenestError
 
 
 class SampleFailed(EaglenestError):

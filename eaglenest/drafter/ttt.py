@@ -7,8 +7,9 @@ the target's distribution of x_{t+2+k}; the mask is that of the predicted token 
 positions whose teacher argmax lies in the draft vocabulary count. Loss = sum_k 0.8^k CE_k."""
 import torch
 
-from .drafter import shift_left as shift, soft_ce
-from .fused_loss import steps_linear_soft_ce, teacher_targets
+from eaglenest.drafter.fused_loss import steps_linear_soft_ce, teacher_targets
+from eaglenest.drafter.model import shift_left as shift
+from eaglenest.drafter.model import soft_ce
 
 
 def step_masks(batch: dict, K: int) -> list[torch.Tensor]:

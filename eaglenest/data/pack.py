@@ -26,11 +26,11 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .atomic import write_json
-from . import state_format
-from .errors import EaglenestError
-from .store import HiddenStore
-from .vocab import build_vocab, coverage
+from eaglenest.atomic import write_json
+from eaglenest.data.vocab import build_vocab, coverage
+from eaglenest.errors import EaglenestError
+from eaglenest.store import states as state_format
+from eaglenest.store.hidden_store import HiddenStore
 
 log = logging.getLogger(__name__)
 TOKEN_ARRAYS = ("input_ids", "loss_mask", "in_vocab")

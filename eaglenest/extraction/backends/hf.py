@@ -7,10 +7,10 @@ import time
 import numpy as np
 import torch
 
-from .. import state_format
-from ..errors import EaglenestError
-from ..target import Target, load_model, pick_device
-from ..versions import CAPTURE_VERSIONS
+from eaglenest.errors import EaglenestError
+from eaglenest.store import states as state_format
+from eaglenest.target import Target, load_model, pick_device
+from eaglenest.versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class HFBackend:
     of an 8B forward's GPU time eager; compiled, the H200 forward went 0.61 -> 0.75 MFU). Not the
     whole decoder: transformers' hidden-state capture hooks read a ContextVar that dynamo cannot
     trace; per layer that break only splits it in three graphs (input norm | attention | the rest).
-    Dynamo specialises a batch of 1, so the first batch compiles both families (`_warm`): a part's
+    Dynamo specialises a batch of 1, so the first batch compiles both families (`warm_up`): a part's
     occasional one-sample batch (a piece's remainder) never recompiles in the middle of the part.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
@@ -41,7 +41,8 @@ class HFBackend:
         self.states = state_format.check(states)
         self.warm = not self.compile  # eager needs no warming
 
-    def _load(self):
+    def load(self) -> None:
+        """Load the target (and compile its layers); `extract` does it on first use."""
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
@@ -76,7 +77,7 @@ class HFBackend:
             done.record()
         return *host, done
 
-    def _warm(self, ids: torch.Tensor) -> None:
+    def warm_up(self, ids: torch.Tensor) -> None:
         """Compile the graphs of the other batch family now, at this batch's length (inductor
         tunes its kernels for the sizes it first sees): one sample if the batch has several, two
         copies of it if it has one. Costs one extra forward, once."""
@@ -97,7 +98,7 @@ class HFBackend:
         per sample the stored arrays, `state_format.encode`). On CUDA the caller
         can launch the next batch first, so the GPU never idles while the host copies."""
         if self.decoder is None:
-            self._load()
+            self.load()
         lengths = [len(x) for x in batch]
         T = max(lengths)
         ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
@@ -110,7 +111,7 @@ class HFBackend:
         if self.device != "cpu":  # from pageable memory the driver may wait for the running batch
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         if not self.warm:
-            self._warm(ids)
+            self.warm_up(ids)
         out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
         # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
         aux = torch.stack([out.hidden_states[j] for j in self.taps], dim=2).to(torch.bfloat16)

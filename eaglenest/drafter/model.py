@@ -13,11 +13,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from .errors import EaglenestError
-from .extractor import default_taps
+from eaglenest.errors import EaglenestError
+from eaglenest.taps import default_taps
 
 
 @dataclass
@@ -137,7 +136,7 @@ class Eagle3Attention(nn.Module):
             cache.diag_k.append(k)
             cache.diag_v.append(v)
         if self.impl == "flex" and isinstance(q_offset, int) and q_offset == 0 and Tq == cache.k0.shape[2]:
-            from .ttt_attention import ttt_attention
+            from eaglenest.drafter.attention import ttt_attention
             return ttt_attention(q, [cache.k0, *cache.diag_k], [cache.v0, *cache.diag_v])
         k0, v0 = cache.k0.repeat_interleave(rep, 1), cache.v0.repeat_interleave(rep, 1)
         scale = self.d ** -0.5

@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import EaglenestError
-from ..target import Target
-from ..versions import CAPTURE_VERSIONS
+from eaglenest.errors import EaglenestError
+from eaglenest.target import Target
+from eaglenest.versions import CAPTURE_VERSIONS
+from sglang_patch.protocol import DEFAULT_RID_PREFIX, supported
+
 from . import SampleFailed
 from .capture_checks import CaptureRejected, capture_path, check_receipt, load_capture, remove
 from .sglang_server import LaunchedServer, get_json, sglang_version
-
-from sglang_patch.protocol import DEFAULT_RID_PREFIX, supported
 
 log = logging.getLogger(__name__)
 TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .drafter import Eagle3Drafter, StepCache
-from .kv_cache import cache_kwarg
+from eaglenest.decoding.kv_cache import cache_kwarg
+from eaglenest.drafter.model import Eagle3Drafter, StepCache
 
 
 @dataclass

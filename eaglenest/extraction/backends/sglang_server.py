@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..errors import EaglenestError
+from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 BIND_FAILED = "error while attempting to bind on address"  # uvicorn's message
@@ -65,6 +65,7 @@ class LaunchedServer:
                                  f"or set extract.sglang.python)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.capture_dir = Path(capture_dir)
         self.cmd = [str(self.python), "-m", "sglang_patch.launch", "--model-path", str(Path(model_dir).resolve()),
                     "--dtype", dtype, "--port", str(self.port), "--device", "cpu" if device == "cpu" else "cuda",
                     "--capture-dir", str(capture_dir), "--capture-taps", ",".join(map(str, taps)), *extra_args]

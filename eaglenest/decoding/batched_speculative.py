@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .batch_decode import left_pad
-from .drafter import Eagle3Drafter, StepCache
-from .kv_cache import cache_kwarg, growing_cache
-from .speculative import cut_at_eos
+from eaglenest.decoding.batch_decode import left_pad
+from eaglenest.decoding.kv_cache import cache_kwarg, growing_cache
+from eaglenest.decoding.speculative import cut_at_eos
+from eaglenest.drafter.model import Eagle3Drafter, StepCache
 
 
 @dataclass

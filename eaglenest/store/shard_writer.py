@@ -19,8 +19,8 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from .atomic import fsync_path
-from .store import Layout, fill_value, sample_digest
+from eaglenest.atomic import fsync_path
+from eaglenest.store.hidden_store import Layout, fill_value, sample_digest
 
 log = logging.getLogger(__name__)
 EMPTY = np.uint64(2**64 - 1)  # the shard index entry of a chunk that was not written
@@ -127,7 +127,7 @@ def shard_files(store: Path, piece: int, layout: Layout) -> dict[str, Path]:
     return {name: Path(store, name, "c", str(piece), *["0"] * len(row)) for name, (row, _) in layout.arrays().items()}
 
 
-def _crc(b) -> bytes:
+def crc32c(b) -> bytes:
     """crc32c as zarr appends it (uint32 little-endian); `Checksum` takes any buffer without a copy."""
     c = google_crc32c.Checksum()
     c.update(b)
@@ -148,13 +148,13 @@ def encode_shard(a: np.ndarray, chunk_rows: int, codec: str, level: int, fill: i
         if (c == fill).all():  # zarr leaves such a chunk out (write_empty_chunks false)
             continue
         b = zstd.encode(c) if codec == "zstd" else c.reshape(-1).view(np.uint8)
-        parts += [b, _crc(b)]
+        parts += [b, crc32c(b)]
         index[i] = (offset, len(b) + 4)
         offset += len(b) + 4
     if not parts:
         return None
     ib = index.tobytes()
-    return parts + [ib, _crc(ib)]
+    return parts + [ib, crc32c(ib)]
 
 
 DIRECT = True  # O_DIRECT where the filesystem takes it (tests switch it off to cover the fallback)

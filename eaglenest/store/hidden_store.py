@@ -27,11 +27,11 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from . import state_format
-from .atomic import write_json
-from .errors import EaglenestError
-from .hashing import content_digest
-from .versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
+from eaglenest.atomic import write_json
+from eaglenest.errors import EaglenestError
+from eaglenest.hashing import content_digest
+from eaglenest.store import states as state_format
+from eaglenest.versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,8 @@ class HiddenStore:
     def n_tokens(self) -> int:
         return sum(r["length"] for r in self.index)
 
-    def read_stored(self, i: int, verify: bool = True) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(input_ids int32 [n], the state arrays of sample i as stored: `state_format.arrays`)."""
+    def read_stored(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(input_ids int32 [n], the state arrays of sample i as stored: `states.arrays`); digest-verified."""
         r = self.index[i]
         sl = slice(r["start"], r["start"] + r["length"])
         try:
@@ -182,15 +182,15 @@ class HiddenStore:
         except Exception as e:  # crc32c, codec or shard-index checksum failure
             raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
                                  f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
-        if verify and sample_digest(stored) != r["digest"]:
+        if sample_digest(stored) != r["digest"]:
             raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
                                  f"digest mismatch: stored bytes are corrupt")
         return stored.pop("input_ids"), stored
 
-    def read(self, i: int, verify: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i: bfloat16
-        bit patterns, decoded from the stored format."""
-        ids, stored = self.read_stored(i, verify)
+        bit patterns, decoded from the stored format; digest-verified."""
+        ids, stored = self.read_stored(i)
         return (ids, *state_format.decode(stored, self.states))
 
     def describe(self) -> dict:

@@ -12,8 +12,8 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from .batch_decode import decode_all
-from .target import stop_ids
+from eaglenest.decoding.batch_decode import decode_all
+from eaglenest.target import stop_ids
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import logging
 import numpy as np
 import torch
 
-from .target import Target, load_model
+from eaglenest.errors import EaglenestError
+from eaglenest.target import Target, load_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THRESHOLDS = {"min_cosine_mean": 0.995, "min_cosine_token": 0.98,
-                      "max_rel_err_mean": 0.06, "max_rel_err_token": 0.2}
+THRESHOLDS = ("min_cosine_mean", "min_cosine_token", "max_rel_err_mean", "max_rel_err_token")  # params `validate`
 
 
 class Reference:
@@ -73,7 +73,10 @@ def summarize(cos: torch.Tensor, rel: torch.Tensor) -> dict:
 
 def run_gate(read_sample, sample_ids: list, ref: Reference, thresholds: dict) -> tuple[dict, bool]:
     """read_sample(i) -> (ids, aux bf16 [n,3,H], final bf16 [n,H]). Returns (metrics, passed)."""
-    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    missing = [k for k in THRESHOLDS if k not in (thresholds or {})]
+    if missing:
+        raise EaglenestError(f"validation gate: thresholds {missing} not given (params.yaml `validate`)")
+    th = thresholds
     acc: dict[str, list] = {}
 
     def add(name, cos, rel):
