@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save
 
-from .protocol import CAPTURE_VERSION
+from .protocol import CAPTURE_VERSION, capture_file
 
 _SAFE_RID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -47,7 +47,7 @@ class CaptureWriter:
     def path_for(self, rid: str) -> str:
         if not _SAFE_RID.match(rid):  # the rid becomes a file name: nothing that could leave the directory
             raise ValueError(f"request id {rid!r} is not a safe file name")
-        return os.path.join(self.dir, f"{rid}.safetensors")
+        return os.path.join(self.dir, capture_file(rid))
 
     def write(self, req: RequestRows, input_ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
               write: bool = True) -> dict:

@@ -12,6 +12,12 @@ ENV_RID_PREFIX = "EAGLENEST_CAPTURE_RID_PREFIX"
 DEFAULT_RID_PREFIX = "eaglenest-"
 PLUGIN_NAME = "eaglenest_capture"        # entry point name in group sglang.srt.plugins
 
+
+def capture_file(rid: str) -> str:
+    """The name of a request's capture file in the capture dir: the plugin writes it, the client
+    reads and deletes exactly this file and no other."""
+    return f"{rid}.safetensors"
+
 # Plugins, ForwardBatch.rids and LogitsProcessorOutput.customized_info all exist from 0.5.11; the
 # LogitsProcessor.forward signature and set_eagle3_layers_to_capture were checked up to 0.5.23.
 # CI runs 0.5.21 (requirements-sglang.txt).

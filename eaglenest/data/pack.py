@@ -13,10 +13,7 @@ Samples are ordered by key (a hash: shuffled, deterministic, independent of part
 split is by key too, so adding a part never moves an existing sample between train and val.
 `in_vocab[p]` = the teacher's argmax at position p is in the draft vocabulary."""
 import logging
-import os
 import shutil
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +96,8 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
     stats = {"train": [0, 0], "val": [0, 0]}
     in_vocab_hits = masked = 0
     index_rows = []
-    reads = read_ahead(samples, lambda s: s[1].read_stored(s[2]))  # digest-verified; the stores' format
-    for (key, store, i, part, sid), (ids, stored) in tqdm(zip(samples, reads), total=len(samples), desc="pack",
-                                                           unit="sample", disable=not progress):
+    for key, store, i, part, sid in tqdm(samples, desc="pack", unit="sample", disable=not progress):
+        ids, stored = store.read_stored(i)  # digest-verified; kept in the stores' format
         tok_ids, mask = masks[part][sid]
         if not np.array_equal(ids, tok_ids):
             raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
@@ -137,19 +133,6 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
             "draft_vocab_size": int(draft_vocab_size), "distinct_masked_tokens": int((counts > 0).sum()),
             "draft_vocab_coverage": round(coverage(counts, t2d), 5),
             "teacher_argmax_in_vocab": round(in_vocab_hits / max(1, masked), 5)}
-
-
-def read_ahead(items: list, read, window: int = 64):
-    """read(item) for each item, in order, with up to `window` reads running ahead in threads
-    (store reads and digest checks release the GIL); a read's error is raised at its item."""
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
-        pending = deque(ex.submit(read, x) for x in items[:window])
-        for x in items[window:]:
-            done = pending.popleft().result()
-            pending.append(ex.submit(read, x))
-            yield done
-        while pending:
-            yield pending.popleft().result()
 
 
 class ShardWriter:

@@ -1,8 +1,8 @@
 """Decode steps of a Llama-family target with a fixed-shape KV cache, replayed as one CUDA graph.
 
 Why: a transformers forward of a 30-layer model launches ~600 kernels, and on the lent GPU machines a
-launch costs ~100 us of host time, so a decode step took ~90 ms at 1 row and ~100 ms at 1,024 rows
-whatever the GPU work (bench.gpu_generate). One graph replay per step leaves only the KV-cache reads.
+launch costs ~100 us of host time, so a decode step took 64 ms at 1 row and 100-140 ms at 256-1,024
+rows whatever the GPU work (bench.gpu_generate). One graph replay per step leaves only the KV-cache reads.
 
 The step is the transformers Llama layer written out with the model's own modules (projections,
 norms, MLP, rotary embedding): q/k rotated at each row's position, k/v written at one cache column
@@ -23,7 +23,8 @@ ARCHITECTURES = {"llama", "mistral", "qwen2"}  # pre-norm, RoPE, GQA, no q/k nor
 
 def supports(model) -> bool:
     cfg = model.config
-    if cfg.model_type not in ARCHITECTURES or getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if cfg.model_type not in ARCHITECTURES or sliding:  # a sliding window would need its own mask
         return False
     attn = model.model.layers[0].self_attn
     return not hasattr(attn, "q_norm") and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from eaglenest.errors import EaglenestError
-from sglang_patch.protocol import CAPTURE_VERSION, RECEIPT_KEY
+from sglang_patch.protocol import CAPTURE_VERSION, RECEIPT_KEY, capture_file
 
 
 class CaptureRejected(Exception):
@@ -24,8 +24,8 @@ RECEIPT_FIELDS = {"path": str, "n_positions": int, "prefix_len": int, "taps": li
 
 
 def capture_path(capture_dir: Path, rid: str) -> Path:
-    """The one file a request may produce (the plugin's naming: sglang_patch.capture)."""
-    return Path(capture_dir).resolve() / f"{rid}.safetensors"
+    """The one file a request may produce."""
+    return Path(capture_dir).resolve() / capture_file(rid)
 
 
 def check_receipt(meta: dict, n_sent: int, taps: list[int], expected: Path) -> dict:
