@@ -245,11 +245,9 @@ def bench_extraction(res, args, peak, clocks):
 
 def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_kernel: bool = True, reps: int = 6,
                   profile: bool = False) -> dict:
-    from eaglenest.drafter import fused_loss
     from eaglenest.drafter.model import Eagle3Drafter
     from eaglenest.drafter.train import FrozenEmbedding
     from eaglenest.drafter.ttt import ttt_loss
-    fused_loss.COMPILE_ON_CUDA = loss_kernel
     torch.manual_seed(0)
     drafter = Eagle3Drafter(dcfg).cuda()
     drafter.set_vocab(torch.arange(32000, device="cuda"))
@@ -270,7 +268,7 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_k
     def step(record=False):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = ttt_loss(drafter, batch, embed, head, 7, [float(T)] * 7, fused=fused)
+            loss, _ = ttt_loss(drafter, batch, embed, head, 7, [float(T)] * 7, fused=fused, compile_kernel=loss_kernel)
         if record:
             phases["after_forward_and_loss_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         loss.backward()

@@ -8,6 +8,9 @@
         `dvc repro --single-item` each stage in pipeline order, timing each; starts no stage once the
         budget is spent, and stops a stage still running at the budget (training resumes from its
         checkpoint next call). Prints what is left.
+    python -m bench.gpu_profile exp NAME [-S section.key=yaml ...] [--budget 540]
+        one ablation: `dvc exp run -n NAME -S ...` from the committed profile, its metrics appended to
+        bench/out/gpu_experiments.json (and to the report's "experiments").
     python -m bench.gpu_profile report [--out DIR]
         gathers the stage times and metrics into gpu_profile.json (bench/results/ format).
 
@@ -82,51 +85,112 @@ def stages(work: Path) -> list[str]:
     return [s for s in out.split() if s]
 
 
-def run(work: Path, budget: float, min_left: float) -> None:
-    t0 = time.time()
+def stream(cmd: list[str], work: Path, log_name: str, deadline: float) -> tuple[int, list[str]]:
+    """Run cmd, teeing its output to bench/out/logs/<log_name>.log; SIGINT (then SIGKILL) at the
+    deadline, raising TimeoutError. Returns (exit code, output lines)."""
+    p = subprocess.Popen(cmd, cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    lines = []
+    log = work / "bench" / "out" / "logs" / f"{log_name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            with open(log, "a") as f:
+                f.write(line)
+            if "Running stage" in line or "ERROR" in line or line.startswith("20") or "INFO" in line:
+                print(line, end="", flush=True)
+            if time.time() > deadline:
+                raise TimeoutError
+        p.wait()
+    except TimeoutError:
+        os.killpg(p.pid, signal.SIGINT)  # DVC cleans up on an interrupt; the trainer keeps its checkpoint
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+        raise
+    return p.returncode, lines
+
+
+def add_time(work: Path, key: str, seconds: float) -> dict:
     times_path = work / TIMES
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    times[key] = round(times.get(key, 0) + seconds, 1)
+    times_path.parent.mkdir(parents=True, exist_ok=True)
+    times_path.write_text(json.dumps(times, indent=1))
+    return times
+
+
+def run(work: Path, budget: float, min_left: float) -> None:
+    t0 = time.time()
     for stage in stages(work):
         left = budget - (time.time() - t0)
         if left < min_left:
             print(f"budget spent; next: {stage}")
             return
         t = time.time()
-        p = subprocess.Popen(["dvc", "repro", "--single-item", stage], cwd=work, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        lines = []
-        log = work / "bench" / "out" / "logs" / f"{stage}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
         try:
-            for line in p.stdout:
-                lines.append(line)
-                with open(log, "a") as f:
-                    f.write(line)
-                if "Running stage" in line or "ERROR" in line or line.startswith("20") or "INFO" in line:
-                    print(line, end="", flush=True)
-                if time.time() - t0 > budget:
-                    raise TimeoutError
-            p.wait()
+            rc, lines = stream(["dvc", "repro", "--single-item", stage], work, stage, t0 + budget)
         except TimeoutError:
-            os.killpg(p.pid, signal.SIGINT)  # DVC cleans up on an interrupt; the trainer keeps its checkpoint
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-            times[stage] = times.get(stage, 0) + (time.time() - t)
-            times_path.parent.mkdir(parents=True, exist_ok=True)
-            times_path.write_text(json.dumps(times, indent=1))
+            add_time(work, stage, time.time() - t)
             print(f"stopped {stage} at the budget after {time.time() - t:.0f} s; it resumes next call")
             return
-        if p.returncode != 0:
+        if rc != 0:
             print("".join(lines[-40:]))
-            sys.exit(f"{stage} failed ({p.returncode})")
+            sys.exit(f"{stage} failed ({rc})")
         if any("Running stage" in ln for ln in lines):
-            times[stage] = round(times.get(stage, 0) + (time.time() - t), 1)
-            times_path.parent.mkdir(parents=True, exist_ok=True)
-            times_path.write_text(json.dumps(times, indent=1))
+            times = add_time(work, stage, time.time() - t)
             print(f"== {stage}: {times[stage]:.1f} s", flush=True)
+    # committed: experiments (`exp`) start from it, and `restore` returns to it
+    sh(["git", "add", "dvc.lock"], work)
+    sh(["git", "-c", "user.email=gpu@eaglenest", "-c", "user.name=gpu", "commit", "-q", "--allow-empty", "-m",
+        "gpu profile: dvc.lock"], work)
     print("all stages done")
+
+
+EXPS = "bench/out/gpu_experiments.json"
+
+
+def experiment(work: Path, name: str, sets: list[str], budget: float) -> None:
+    """`dvc exp run -n NAME -S ...` from the committed profile (the stages it does not touch come from
+    the run cache), then its metrics appended to bench/out/gpu_experiments.json. Stopped at the
+    budget, it resumes (training from its checkpoint) when called again with the same arguments."""
+    sh(["git", "checkout", "HEAD", "--", "params.yaml"], work)  # every experiment starts from the profile
+    saved = work / "bench" / "out" / "baseline"  # the profile's own lock and metrics, put back afterwards
+    shutil.rmtree(saved, ignore_errors=True)
+    shutil.copytree(work / "metrics", saved / "metrics")
+    t = time.time()
+    cmd = ["dvc", "exp", "run", "-n", name, *[a for s in sets for a in ("-S", s)]]
+    try:
+        rc, lines = stream(cmd, work, f"exp-{name}", t + budget)
+    except TimeoutError:
+        add_time(work, f"exp:{name}", time.time() - t)
+        print(f"stopped experiment {name} at the budget; run the same command again to finish it")
+        rc = None
+    times = add_time(work, f"exp:{name}", time.time() - t)
+    if rc is None:
+        return restore(work, saved)
+    m = work / "metrics"
+    row = {"name": name, "set": sets, "exit": rc, "wall_s": times[f"exp:{name}"]}
+    for rel in ("evaluate.json", "train.json", "pack.json"):
+        if (m / rel).exists():
+            row[rel.removesuffix(".json")] = json.loads((m / rel).read_text())
+    path = work / EXPS
+    rows = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["name"] != name]
+    path.write_text(json.dumps(rows + [row], indent=1))
+    ev = row.get("evaluate", {})
+    print(f"== experiment {name} (exit {rc}, {row['wall_s']} s): tau {ev.get('tau')}, "
+          f"val tau {row.get('train', {}).get('val_simulated_tau')}")
+    restore(work, saved)
+
+
+def restore(work: Path, saved: Path) -> None:
+    """The profile's params, dvc.lock, metrics and outputs back in the work repo."""
+    sh(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], work)
+    shutil.rmtree(work / "metrics")
+    shutil.copytree(saved / "metrics", work / "metrics")
+    sh(["dvc", "checkout", "--quiet"], work)
 
 
 def report(work: Path, out: Path) -> None:
@@ -135,7 +199,7 @@ def report(work: Path, out: Path) -> None:
     def load(rel):
         p = m / rel
         return json.loads(p.read_text()) if p.exists() else {}
-    times = json.loads((work / TIMES).read_text())
+    times = {k: v for k, v in json.loads((work / TIMES).read_text()).items() if not k.startswith("exp:")}
     ev, tr, pk = load("evaluate.json"), load("train.json"), load("pack.json")
     parts = {p.stem: p for p in (m / "generate").glob("*.json")}
     gen = {k: json.loads(p.read_text()) for k, p in parts.items()}
@@ -173,6 +237,15 @@ def report(work: Path, out: Path) -> None:
     g = res["generate"]
     g["tokens_per_s"] = round(g["generated_tokens"] / g["decode_s"], 1) if g["decode_s"] else None
     out.mkdir(parents=True, exist_ok=True)
+    if (work / EXPS).exists():
+        res["experiments"] = [{"name": r["name"], "set": r["set"], "exit": r["exit"], "wall_s": r["wall_s"],
+                               "tau": r.get("evaluate", {}).get("tau"),
+                               "accept_per_position": r.get("evaluate", {}).get("accept_rate_per_position"),
+                               "identical_to_greedy": r.get("evaluate", {}).get("identical_to_greedy"),
+                               "val_simulated_tau": r.get("train", {}).get("val_simulated_tau"),
+                               "val_loss": r.get("train", {}).get("val_loss"),
+                               "train_tokens": r.get("pack", {}).get("train_tokens")}
+                              for r in json.loads((work / EXPS).read_text())]
     (out / "gpu_profile.json").write_text(json.dumps(res, indent=1) + "\n")
     for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json"):
         if (m / rel).exists():
@@ -193,6 +266,10 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--budget", type=float, default=540)
     r.add_argument("--min-left", type=float, default=60, help="start no stage with less than this left")
+    e = sub.add_parser("exp", help="one ablation as a DVC experiment, from the committed profile")
+    e.add_argument("name")
+    e.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value (dvc exp run -S)")
+    e.add_argument("--budget", type=float, default=540)
     o = sub.add_parser("report")
     o.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     a = ap.parse_args()
@@ -200,6 +277,8 @@ def main() -> None:
         setup(a.workdir, a.profile, a.sets)
     elif a.cmd == "run":
         run(a.workdir, a.budget, a.min_left)
+    elif a.cmd == "exp":
+        experiment(a.workdir, a.name, a.sets, a.budget)
     else:
         report(a.workdir, a.out)
 

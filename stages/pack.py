@@ -1,9 +1,11 @@
 """Stage `pack`: every part's store -> draft vocabulary + train/val shards (data/packed).
 
-    python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb,
-                                pack.device: where the teacher's argmax over the vocabulary is computed)
+    python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb;
+                                untracked: pack.device, where the teacher's argmax over the vocabulary is
+                                computed, and pack.workers, processes writing shards: auto = cores, max 16)
 """
 import argparse
+import os
 from pathlib import Path
 
 from eaglenest.atomic import write_json
@@ -12,6 +14,10 @@ from eaglenest.errors import exit_on_error
 from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params
+
+
+def workers(value) -> int:
+    return min(os.cpu_count() or 1, 16) if value == "auto" else int(value)
 
 
 @exit_on_error
@@ -24,8 +30,8 @@ def main(argv=None) -> None:
     target = load_target(Path("data/target"))
     metrics = pack(params["data"]["parts"], Path("data/hidden"), Path("data/tokenized"), Path("data/packed"),
                    lm_head=load_heads(target)["lm_head"], draft_vocab_size=int(p["draft_vocab_size"]),
-                   val_fraction=float(p["val_fraction"]), shard_mb=float(p.get("shard_mb", 256)),
-                   progress=not args.no_progress, device=pick_device(p.get("device", "auto")))
+                   val_fraction=float(p["val_fraction"]), shard_mb=float(p["shard_mb"]),
+                   progress=not args.no_progress, device=pick_device(p["device"]), workers=workers(p["workers"]))
     write_json(Path("metrics/pack.json"), metrics)
 
 

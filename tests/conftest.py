@@ -151,7 +151,7 @@ def tiny_packed(tiny_target, tmp_path_factory):
 def train_params(**over) -> dict:
     t = {"epochs": 2, "lr": 0.003, "warmup": 0.1, "weight_decay": 0.0, "grad_clip": 0.5, "ttt_steps": 3,
          "decay": 0.8, "batch_tokens": 240, "micro_batches": 2, "seed": 0, "autocast": "none", "ckpt_every": 1,
-         "device": "cpu", "attention": "auto", "compile": "auto"}
+         "device": "cpu", "attention": "auto", "compile": "auto", "intermediate_size": None}
     t.update(over)
     return t
 

@@ -32,6 +32,25 @@ def test_forward_shapes():
     assert len(out) == 3 and all(o.shape == (2, 11, 40) for o in out)
 
 
+@pytest.mark.parametrize("name", ["default_taps", "custom_taps"])
+def test_export_is_byte_for_byte_the_recorded_serving_format(tmp_path, name):
+    """tests/data/drafter_export holds exports written by the drafter code of 2026-12 (the format
+    SGLang and vLLM were checked against): loading one and saving it again gives the same bytes."""
+    from pathlib import Path
+    golden = Path(__file__).parent / "data" / "drafter_export" / name
+    Eagle3Drafter.from_pretrained(golden).save_pretrained(tmp_path)
+    for f in ("config.json", "model.safetensors"):
+        assert (tmp_path / f).read_bytes() == (golden / f).read_bytes(), f
+
+
+def test_a_wider_mlp_is_served_by_its_config(tmp_path):
+    d = Eagle3Drafter(DrafterConfig.from_target(TARGET_CFG, 40, [2, 4, 5], intermediate_size=256))
+    d.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == 256
+    assert load_file(str(tmp_path / "model.safetensors"))["midlayer.mlp.up_proj.weight"].shape == (256, 64)
+    assert Eagle3Drafter.from_pretrained(tmp_path).midlayer.mlp.down_proj.weight.shape == (64, 256)
+
+
 def test_export_format_and_bit_exact_round_trip(tmp_path):
     d = make_drafter().to(torch.bfloat16)
     d.save_pretrained(tmp_path)

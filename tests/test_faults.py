@@ -53,7 +53,7 @@ def test_flipped_byte_anywhere_is_named_and_stops_pack(tiny_packed, tmp_path):
     shutil.copytree(tiny_packed, ws, symlinks=True)
     params = yaml.safe_load((ws / "params.yaml").read_text())
     params["data"] = {"parts": ["a", "b"]}
-    params["pack"] = {"draft_vocab_size": 48, "val_fraction": 0.15, "shard_mb": 0.05}
+    params["pack"] = {"draft_vocab_size": 48, "val_fraction": 0.15, "shard_mb": 0.05, "device": "cpu", "workers": 2}
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
     store = ws / "data/hidden/a"
     files = sorted(p for p in store.rglob("*") if p.is_file())

@@ -38,6 +38,22 @@ def test_pack_layout_and_vocab(tiny_packed):
     assert metrics["draft_vocab_size"] == 48 and len(metrics["shards"]["train"]) > 1
 
 
+def test_pack_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_target, tmp_path):
+    """Shards are planned before any read, so 3 writer processes give the 1-process bytes exactly."""
+    from eaglenest.data.pack import pack
+    from eaglenest.target import load_heads
+    data = tiny_packed / "data"
+    metrics = pack(["a", "b"], data / "hidden", data / "tokenized", tmp_path / "packed",
+                   lm_head=load_heads(tiny_target)["lm_head"], draft_vocab_size=48, val_fraction=0.15,
+                   shard_mb=0.05, progress=False, workers=3)
+    ref = sorted(p.relative_to(data / "packed") for p in (data / "packed").rglob("*") if p.is_file())
+    got = sorted(p.relative_to(tmp_path / "packed") for p in (tmp_path / "packed").rglob("*") if p.is_file())
+    assert got == ref and len([p for p in ref if p.name == "offsets.npy"]) > 2
+    for rel in ref:
+        assert (tmp_path / "packed" / rel).read_bytes() == (data / "packed" / rel).read_bytes(), rel
+    assert metrics["samples"] == 48 and 0 < metrics["teacher_argmax_in_vocab"] <= 1
+
+
 def test_fp8_states_stay_fp8_in_the_pack_and_decode_to_the_stores_values(tiny_target, tmp_path):
     import pyarrow.parquet as pq
 

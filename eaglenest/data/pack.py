@@ -13,7 +13,9 @@ Samples are ordered by key (a hash: shuffled, deterministic, independent of part
 split is by key too, so adding a part never moves an existing sample between train and val.
 `in_vocab[p]` = the teacher's argmax at position p is in the draft vocabulary."""
 import logging
+import multiprocessing as mp
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -62,11 +64,28 @@ def open_parts(parts: list[str], hidden_dir: Path, tokenized_dir: Path):
     return stores, masks
 
 
+def plan_shards(samples: list[tuple], lengths: list[int], val_fraction: float, shard_tokens: int) -> dict:
+    """Samples (in key order) of each split's shards: a shard closes once it holds shard_tokens or
+    more. Fixed before any state is read, so the shards are the same whatever the worker count."""
+    plan = {"train": [[]], "val": [[]]}
+    filled = {"train": 0, "val": 0}
+    for sample, n in zip(samples, lengths):
+        split = "val" if is_val(sample[0], val_fraction) else "train"
+        plan[split][-1].append(sample)
+        filled[split] += n
+        if filled[split] >= shard_tokens:
+            plan[split].append([])
+            filled[split] = 0
+    return {k: [s for s in v if s] for k, v in plan.items()}
+
+
 def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path, lm_head: torch.Tensor,
          draft_vocab_size: int, val_fraction: float, shard_mb: float = 256, progress: bool = True,
-         device: str = "cpu") -> dict:
+         device: str = "cpu", workers: int = 1) -> dict:
+    """workers > 1: shards are written by that many processes (reading and digest-checking a
+    sample costs ~10 ms of one core in zarr, which one process cannot hide); the bytes are the same."""
     stores, masks = open_parts(parts, hidden_dir, tokenized_dir)
-    samples = []  # (key, store, index, part, id)
+    samples, lengths = [], []  # (key, part, store index, id), tokens
     counts = np.zeros(lm_head.shape[0], dtype=np.int64)
     for s in stores:
         for i, row in enumerate(s.index):
@@ -75,96 +94,106 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
                                      f"tokenized part; the store is stale (dvc repro extract@{s.part})")
             ids, mask = masks[s.part][row["id"]]
             counts += np.bincount(ids[mask == 1], minlength=len(counts))
-            samples.append((row["key"], s, i, s.part, row["id"]))
-    samples.sort(key=lambda x: (x[0], x[3], x[4]))
+            samples.append((row["key"], s.part, i, row["id"]))
+    order = sorted(range(len(samples)), key=lambda j: (samples[j][0], samples[j][1], samples[j][3]))
+    samples = [samples[j] for j in order]
+    by_part = {s.part: s for s in stores}
+    lengths = [by_part[part].index[i]["length"] for _, part, i, _ in samples]
     selected, d2t, t2d = build_vocab(counts, draft_vocab_size)
-    t2d_t = torch.from_numpy(t2d)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": t2d_t},
+    save_file({"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
               str(tmp / "vocab.safetensors"))
 
     A, H, states = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"], stores[0].states
     row_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, A, H).values())
-    shard_tokens = max(1, int(shard_mb * 2**20 / row_bytes))
-    head = lm_head.to(device=device, dtype=torch.bfloat16)
-    names = packed_arrays(states)
-    writers = {"train": ShardWriter(tmp / "train", shard_tokens, names),
-               "val": ShardWriter(tmp / "val", shard_tokens, names)}
-    stats = {"train": [0, 0], "val": [0, 0]}
-    in_vocab_hits = masked = 0
-    index_rows = []
-    for key, store, i, part, sid in tqdm(samples, desc="pack", unit="sample", disable=not progress):
-        ids, stored = store.read_stored(i)  # digest-verified; kept in the stores' format
-        tok_ids, mask = masks[part][sid]
-        if not np.array_equal(ids, tok_ids):
-            raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
-        with torch.inference_mode():
-            final = state_format.decode_tensor({k: torch.from_numpy(np.ascontiguousarray(v))
-                                                for k, v in stored.items()}, "final", states)
-            top = (final.to(device) @ head.T).argmax(-1).cpu()
-        in_vocab = t2d_t[top].numpy().astype(np.uint8)
-        split = "val" if is_val(key, val_fraction) else "train"
-        index_rows.append({"key": key, "part": part, "id": sid, "split": split, "digest": store.index[i]["digest"]})
-        writers[split].add(**stored, input_ids=ids, loss_mask=mask, in_vocab=in_vocab)
-        stats[split][0] += 1
-        stats[split][1] += len(ids)
-        masked += int(mask.sum())
-        in_vocab_hits += int((in_vocab * mask).sum())
-    shards = {k: w.close() for k, w in writers.items()}
+    plan = plan_shards(samples, lengths, val_fraction, max(1, int(shard_mb * 2**20 / row_bytes)))
+    jobs = [(split, n, [(key, part, i, sid, *masks[part][sid]) for key, part, i, sid in shard])
+            for split, shards in plan.items() for n, shard in enumerate(shards)]
+    for split in plan:
+        (tmp / split).mkdir()
+    setup = ({s.part: str(s.path) for s in stores}, lm_head, t2d, device, states, tmp)
+    results = {}
+    with tqdm(total=len(samples), desc="pack", unit="sample", disable=not progress) as bar:
+        if workers <= 1:
+            _worker_init(*setup)
+            done = map(_write_shard, jobs)
+        else:
+            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                       initargs=setup)
+            done = pool.map(_write_shard, jobs)
+        try:
+            for (split, n, _), r in zip(jobs, done):
+                results[split, n] = r
+                bar.update(r["samples"])
+        finally:
+            if workers > 1:
+                pool.shutdown(cancel_futures=True)
+    shards = {split: [results[split, n]["shard"] for n in range(len(plan[split]))] for split in plan}
+    stats = {split: [sum(len(s) for s in plan[split]), sum(r["tokens"] for r in shards[split])]
+             for split in plan}
     if stats["train"][0] == 0:
         raise EaglenestError("pack: no training samples (too few samples or val_fraction too high)")
+    masked = sum(r["masked"] for r in results.values())
+    in_vocab_hits = sum(r["in_vocab_hits"] for r in results.values())
     manifest = {"target_fingerprint": stores[0].attrs["target_fingerprint"], "taps": stores[0].attrs["taps"],
                 "hidden_size": H, "states": states, "vocab_size": int(len(t2d)),
                 "draft_vocab_size": int(draft_vocab_size),
                 "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores}, "shards": shards,
                 "val_fraction": val_fraction}
     write_json(tmp / "manifest.json", manifest)
+    index_rows = [{"key": key, "part": part, "id": sid, "split": "val" if is_val(key, val_fraction) else "train",
+                   "digest": by_part[part].index[i]["digest"]} for key, part, i, sid in samples]
     pq.write_table(pa.Table.from_pylist(index_rows), tmp / "index.parquet")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-    masked_counts = counts.sum()
     return {"samples": len(samples), "tokens": int(sum(v[1] for v in stats.values())),
             "train_samples": stats["train"][0], "train_tokens": stats["train"][1],
-            "val_samples": stats["val"][0], "val_tokens": stats["val"][1], "masked_tokens": int(masked_counts),
+            "val_samples": stats["val"][0], "val_tokens": stats["val"][1], "masked_tokens": int(counts.sum()),
             "draft_vocab_size": int(draft_vocab_size), "distinct_masked_tokens": int((counts > 0).sum()),
             "draft_vocab_coverage": round(coverage(counts, t2d), 5),
             "teacher_argmax_in_vocab": round(in_vocab_hits / max(1, masked), 5)}
 
 
-class ShardWriter:
-    """Accumulates samples and writes a shard directory of .npy arrays once it reaches shard_tokens."""
+# --- one shard, in this process or a worker ------------------------------------------------------
+_ctx: dict = {}
 
-    def __init__(self, root: Path, shard_tokens: int, names: tuple[str, ...]):
-        self.root, self.shard_tokens, self.names = Path(root), shard_tokens, names
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.buf = {k: [] for k in names}
-        self.n = 0
-        self.shards = []
 
-    def add(self, **arrays) -> None:
-        for k in self.names:
-            self.buf[k].append(arrays[k])
-        self.n += len(arrays["input_ids"])
-        if self.n >= self.shard_tokens:
-            self.flush()
+def _worker_init(store_paths: dict, lm_head: torch.Tensor, t2d: np.ndarray, device: str, states: str,
+                 tmp: Path) -> None:
+    if mp.parent_process() is not None:  # a worker: one core each, the pool is the parallelism
+        torch.set_num_threads(1)
+    _ctx.update(stores={part: HiddenStore(Path(p)) for part, p in store_paths.items()}, t2d=torch.from_numpy(t2d),
+                head=lm_head.to(device=device, dtype=torch.bfloat16), device=device, states=states, tmp=Path(tmp))
 
-    def flush(self) -> None:
-        if not self.n:
-            return
-        d = self.root / f"{len(self.shards):05d}"
-        d.mkdir()
-        lengths = [len(x) for x in self.buf["input_ids"]]
-        for k in self.names:
-            np.save(d / f"{k}.npy", np.concatenate(self.buf[k]))
-        np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-        self.shards.append({"dir": d.name, "samples": len(lengths), "tokens": self.n})
-        self.buf = {k: [] for k in self.names}
-        self.n = 0
 
-    def close(self) -> list:
-        self.flush()
-        return self.shards
+def _write_shard(job: tuple) -> dict:
+    """Read (digest-verified), check against the tokenized part, add the teacher's in_vocab, write."""
+    split, n, rows = job
+    states, head, t2d = _ctx["states"], _ctx["head"], _ctx["t2d"]
+    arrays = {k: [] for k in packed_arrays(states)}
+    masked = hits = 0
+    for key, part, i, sid, tok_ids, mask in rows:
+        ids, stored = _ctx["stores"][part].read_stored(i)  # kept in the stores' format
+        if not np.array_equal(ids, tok_ids):
+            raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
+        with torch.inference_mode():
+            final = state_format.decode_tensor({k: torch.from_numpy(np.ascontiguousarray(v))
+                                                for k, v in stored.items()}, "final", states)
+            top = (final.to(_ctx["device"]) @ head.T).argmax(-1).cpu()
+        in_vocab = t2d[top].numpy().astype(np.uint8)
+        for k, v in {**stored, "input_ids": ids, "loss_mask": mask, "in_vocab": in_vocab}.items():
+            arrays[k].append(v)
+        masked += int(mask.sum())
+        hits += int((in_vocab * mask).sum())
+    d = _ctx["tmp"] / split / f"{n:05d}"
+    d.mkdir()
+    lengths = [len(x) for x in arrays["input_ids"]]
+    for k, v in arrays.items():
+        np.save(d / f"{k}.npy", np.concatenate(v))
+    np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    return {"shard": {"dir": d.name, "samples": len(lengths), "tokens": int(sum(lengths))},
+            "samples": len(lengths), "masked": masked, "in_vocab_hits": hits}

@@ -8,7 +8,6 @@ instead of ~10 passes over fp32 [chunk, Vd] temporaries. Numerically the same lo
 import torch
 import torch.nn.functional as F
 
-COMPILE_ON_CUDA = True  # benches switch it off to measure the lever
 _compiled = None
 
 
@@ -21,9 +20,9 @@ def _chunk_ce(logits, p, top, w, need_grad: bool):
     return ce, correct, g
 
 
-def _chunk_fn(device_type: str):
+def _chunk_fn(device_type: str, compile_kernel: bool):
     global _compiled
-    if device_type != "cuda" or not COMPILE_ON_CUDA:
+    if device_type != "cuda" or not compile_kernel:
         return _chunk_ce
     if _compiled is None:
         _compiled = torch.compile(_chunk_ce)
@@ -50,14 +49,14 @@ def teacher_targets(final: torch.Tensor, head: torch.Tensor, K: int, chunk: int 
 
 class _StepsLinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, W, teacher_p, teacher_top, masks, scales, chunk, compute_dtype, *hs):
+    def forward(ctx, W, teacher_p, teacher_top, masks, scales, chunk, compute_dtype, compile_kernel, *hs):
         N, K = hs[0].shape[0], len(hs)
         need_grad = any(ctx.needs_input_grad)  # evaluation: the loss only
         Wc = W.detach().to(compute_dtype)
         gW = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
         loss = torch.zeros((), dtype=torch.float32, device=W.device)
         stats = torch.zeros(K, 3, dtype=torch.float32, device=W.device)
-        fn = _chunk_fn(W.device.type)
+        fn = _chunk_fn(W.device.type, compile_kernel)
         grads = []
         for k, h in enumerate(hs):
             gh = torch.empty(h.shape, dtype=compute_dtype, device=h.device)  # g @ Wc is in compute dtype anyway
@@ -87,7 +86,8 @@ class _StepsLinearSoftCE(torch.autograd.Function):
         gW, *grads = ctx.saved_tensors
         gW = gW.mul_(gloss)  # in place: no second [Vd, H] fp32 buffer (backward runs once)
         # autograd casts each h-gradient back to h's dtype
-        return (gW.to(ctx.w_dtype), None, None, None, None, None, None, *[g * gloss.to(g.dtype) for g in grads])
+        return (gW.to(ctx.w_dtype), None, None, None, None, None, None, None,
+                *[g * gloss.to(g.dtype) for g in grads])
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -102,10 +102,11 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher_p: torch.Tensor, teacher_top: torch.Tensor,
-                         masks: torch.Tensor, scales: list[float], chunk: int = 2048):
+                         masks: torch.Tensor, scales: list[float], chunk: int = 2048, compile_kernel: bool = True):
     """hs: K step outputs [B, T, H] (after the final norm); W [Vd, H]; teacher_p / teacher_top from
     `teacher_targets`; masks [K, B, T]. Loss = sum_k scales[k] * sum_t masks[k, t] * CE(p[t+1+k], h_k[t] W^T).
-    Returns (loss, stats [K, 3] = per-step masked CE sum, correct top-1, mask count)."""
+    Returns (loss, stats [K, 3] = per-step masked CE sum, correct top-1, mask count). compile_kernel:
+    the per-chunk arithmetic as one compiled kernel on CUDA (benches turn it off to measure it)."""
     B, T, H = hs[0].shape
     K = len(hs)
     # flattened rows: a row past its own sequence reads the next one, but its mask is zero there
@@ -115,4 +116,5 @@ def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher_p: tor
         # scales stay Python floats: a tensor built from them is a pageable host-to-device copy,
         # which stalls the CPU until the GPU has drained the whole forward
         return _StepsLinearSoftCE.apply(W, teacher_p, teacher_top, masks.reshape(K, B * T).float(),
-                                        tuple(float(x) for x in scales), chunk, dtype, *[h.reshape(B * T, H) for h in hs])
+                                        tuple(float(x) for x in scales), chunk, dtype, compile_kernel,
+                                        *[h.reshape(B * T, H) for h in hs])

@@ -37,12 +37,15 @@ class DrafterConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, cfg: dict, draft_vocab_size: int, taps: list[int]) -> "DrafterConfig":
+    def from_target(cls, cfg: dict, draft_vocab_size: int, taps: list[int],
+                    intermediate_size: int | None = None) -> "DrafterConfig":
+        """The target's shapes; `intermediate_size` widens (or narrows) the one MLP: engines read it
+        from config.json, so any width serves."""
         cfg = cfg.get("text_config", cfg)
         rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
                                               **(cfg.get("rope_scaling") or {})}
         heads = cfg["num_attention_heads"]
-        return cls(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        return cls(hidden_size=cfg["hidden_size"], intermediate_size=intermediate_size or cfg["intermediate_size"],
                    num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg["rms_norm_eps"],
                    rope_parameters=rope, max_position_embeddings=cfg["max_position_embeddings"],

@@ -48,6 +48,7 @@ class TrainConfig:
     device: str
     attention: str           # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
     compile: str             # auto (on CUDA) | true | false: torch.compile around the attention kernel
+    intermediate_size: int | None  # the drafter's MLP width; None = the target's
 
     @classmethod
     def from_params(cls, p: dict) -> "TrainConfig":
@@ -122,7 +123,7 @@ class Trainer:
         vocab = load_vocab(packed)
         heads = load_heads(target)
         tcfg = json.loads((target.model_dir / "config.json").read_text())
-        dcfg = DrafterConfig.from_target(tcfg, int(man["draft_vocab_size"]), man["taps"])
+        dcfg = DrafterConfig.from_target(tcfg, int(man["draft_vocab_size"]), man["taps"], cfg.intermediate_size)
         torch.manual_seed(cfg.seed)
         model = Eagle3Drafter(dcfg)
         model.set_vocab(vocab["selected"])

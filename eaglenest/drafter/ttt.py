@@ -18,18 +18,20 @@ def step_masks(batch: dict, K: int) -> list[torch.Tensor]:
 
 
 def ttt_loss(drafter, batch: dict, embed, head_sel: torch.Tensor, K: int, denominators: list[float],
-             decay: float = 0.8, fused: bool = True):
+             decay: float = 0.8, fused: bool = True, compile_kernel: bool = True):
     """Weighted loss whose per-step sums are divided by `denominators` (the step's masked-token count
     over the whole global batch, so micro-batches and ranks add up to one global mean).
     Returns (loss, stats) with per-step sums of CE, correct top-1 and mask. fused=True computes the
-    same loss through `fused_loss` (no full-vocabulary logits kept); False is the plain reference."""
+    same loss through `fused_loss` (no full-vocabulary logits kept); False is the plain reference.
+    compile_kernel: fused_loss's compiled chunk kernel on CUDA (benches switch it off)."""
     masks = step_masks(batch, K)
     if fused:
         teacher_p, teacher_top = teacher_targets(batch["final"], head_sel, K)
         hs = drafter(batch["aux"], batch["input_ids"], embed, K, logits=False)
         head = getattr(drafter, "module", drafter).lm_head.weight  # through a DDP wrapper too
         return steps_linear_soft_ce(hs, head, teacher_p, teacher_top, torch.stack(masks),
-                                    [decay ** k / max(denominators[k], 1.0) for k in range(K)])
+                                    [decay ** k / max(denominators[k], 1.0) for k in range(K)],
+                                    compile_kernel=compile_kernel)
     with torch.no_grad():
         teacher_logits = (batch["final"] @ head_sel.T.to(batch["final"].dtype)).float()
         teacher_p = torch.softmax(teacher_logits, -1)

@@ -157,7 +157,7 @@ def encode_shard(a: np.ndarray, chunk_rows: int, codec: str, level: int, fill: i
     return parts + [ib, crc32c(ib)]
 
 
-DIRECT = True  # O_DIRECT where the filesystem takes it (tests switch it off to cover the fallback)
+_refused_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT: buffered from then on
 _BLOCK = 4096  # O_DIRECT wants block-aligned buffers, offsets and lengths
 _local = threading.local()  # per writer thread: one reused, page-aligned staging buffer
 
@@ -176,11 +176,10 @@ def _write_direct(tmp: Path, parts: list, size: int) -> bool:
     page cache, no dirty pages for the kernel to write back under memory pressure. A single stream
     on the GPU host's disk: 1.7 GB/s vs 1.0 GB/s buffered + fsync (bench.host_path). False when the
     filesystem refuses O_DIRECT (tmpfs, some network filesystems): the caller writes buffered."""
-    global DIRECT
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     except OSError:
-        DIRECT = False
+        _refused_direct.add(os.stat(tmp.parent).st_dev)
         return False
     padded = -(-size // _BLOCK) * _BLOCK
     view, o = memoryview(_staging(padded)), 0
@@ -198,7 +197,7 @@ def _write_direct(tmp: Path, parts: list, size: int) -> bool:
     except OSError as e:
         if e.errno != errno.EINVAL:  # EINVAL: alignment this device will not take; ENOSPC etc. are real
             raise
-        DIRECT = False
+        _refused_direct.add(os.stat(tmp.parent).st_dev)
         return False
     finally:
         view.release()  # the staging buffer can grow again
@@ -206,11 +205,17 @@ def _write_direct(tmp: Path, parts: list, size: int) -> bool:
     return True
 
 
-def _write_file(path: Path, parts: list) -> int:
+def direct_refused(path: Path) -> bool:
+    """Whether the filesystem holding `path` refused O_DIRECT in this process (writes went buffered)."""
+    return os.stat(path).st_dev in _refused_direct
+
+
+def _write_file(path: Path, parts: list, direct: bool) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")  # never read; `_finalize` sweeps leftovers
     size = sum(memoryview(p).nbytes for p in parts)
-    if not (DIRECT and _write_direct(tmp, parts, size)):
+    direct = direct and os.stat(path.parent).st_dev not in _refused_direct
+    if not (direct and _write_direct(tmp, parts, size)):
         with open(tmp, "wb") as f:
             for p in parts:
                 f.write(p)
@@ -222,10 +227,11 @@ def _write_file(path: Path, parts: list) -> int:
 
 
 def write_piece(store: Path, index: int, layout: Layout, arrays: dict[str, np.ndarray],
-                rows: list[dict]) -> tuple[list[str], int, dict]:
+                rows: list[dict], direct: bool = True) -> tuple[list[str], int, dict]:
     """`arrays`: the piece's rows of every stored array (`PieceBuffers.arrays`). Returns (digest per
     row, bytes written, seconds per phase: digest / encode / write incl. fsync and rename). The
-    caller commits the piece's manifest afterwards."""
+    caller commits the piece's manifest afterwards. direct: O_DIRECT where the filesystem takes it
+    (False: buffered writes + fsync, the fallback)."""
     S = layout.shard_tokens
     t0 = time.perf_counter()
     digests = []
@@ -239,7 +245,7 @@ def write_piece(store: Path, index: int, layout: Layout, arrays: dict[str, np.nd
         parts = encode_shard(arrays[name], layout.chunk_tokens, layout.codec, layout.level, fill_value(name))
         t1 = time.perf_counter()
         if parts is not None:  # an all-fill shard has no file, as with zarr
-            written += _write_file(path, parts)
+            written += _write_file(path, parts, direct)
         phases["encode_s"] += t1 - t
         phases["write_s"] += time.perf_counter() - t1
     return digests, written, phases
