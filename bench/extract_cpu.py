@@ -7,6 +7,7 @@ Measures: forward-only tokens/s of the hf backend; end-to-end extraction tokens/
 bf16 bits + digest + zstd/none + zarr write + fsync) with MB/s written, bytes/token and
 compression ratio per codec; and the wall time of a no-op `dvc repro`.
 """
+
 import argparse
 import json
 import shutil
@@ -14,7 +15,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
@@ -65,15 +65,29 @@ def main() -> None:
         shutil.rmtree(OUT / "store", ignore_errors=True)
         shutil.rmtree(OUT / "work", ignore_errors=True)
         st = params["store"]
-        m = extract_part(part="bench", tokenized=sub, target=target, backend=be, taps=taps, dtype="bfloat16",
-                         revision=0, layout_cfg=dict(chunk_mb=st["chunk_mb"], shard_mb=st["shard_mb"], codec=codec,
-                                                     level=st["level"]),
-                         validate_cfg={**_params.load("validate"), "samples": 2}, out_dir=OUT / "store", work_root=OUT / "work",
-                         batch_tokens=bt, max_seq_len=int(params["tokenize"]["max_seq_len"]), progress=False)
-        results[codec] = {"end_to_end_tok_s": m["tokens_per_s"], "bytes_per_token": m["bytes_per_token"],
-                          "compression_ratio": m["compression_ratio"],
-                          "written_MB_s": round(m["stored_bytes"] / m["extract_seconds"] / 1e6, 2),
-                          "overhead_vs_forward": round(1 - m["tokens_per_s"] / fwd, 3)}
+        m = extract_part(
+            part="bench",
+            tokenized=sub,
+            target=target,
+            backend=be,
+            taps=taps,
+            dtype="bfloat16",
+            revision=0,
+            layout_cfg=dict(chunk_mb=st["chunk_mb"], shard_mb=st["shard_mb"], codec=codec, level=st["level"]),
+            validate_cfg={**_params.load("validate"), "samples": 2},
+            out_dir=OUT / "store",
+            work_root=OUT / "work",
+            batch_tokens=bt,
+            max_seq_len=int(params["tokenize"]["max_seq_len"]),
+            progress=False,
+        )
+        results[codec] = {
+            "end_to_end_tok_s": m["tokens_per_s"],
+            "bytes_per_token": m["bytes_per_token"],
+            "compression_ratio": m["compression_ratio"],
+            "written_MB_s": round(m["stored_bytes"] / m["extract_seconds"] / 1e6, 2),
+            "overhead_vs_forward": round(1 - m["tokens_per_s"] / fwd, 3),
+        }
     if args.noop_repro:
         times = []
         for _ in range(3):

@@ -7,6 +7,7 @@ Both backends run the same subset in bf16: forward-only tokens/s (backend.extrac
 batches, nothing stored) and end to end through `extract_part` (zstd store + validation gate).
 The sglang server is launched once by the backend (startup time reported apart) with the flags
 printed in the output."""
+
 import argparse
 import json
 import shutil
@@ -40,13 +41,28 @@ def end_to_end(backend, sub, target, taps, params, batch_tokens) -> dict:
     shutil.rmtree(OUT / "store", ignore_errors=True)
     shutil.rmtree(OUT / "work", ignore_errors=True)
     st = params["store"]
-    m = extract_part(part="bench", tokenized=sub, target=target, backend=backend, taps=taps, dtype="bfloat16",
-                     revision=0, layout_cfg={k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")},
-                     validate_cfg={**_params.load("validate"), "samples": 4}, out_dir=OUT / "store", work_root=OUT / "work",
-                     batch_tokens=batch_tokens, max_seq_len=int(params["tokenize"]["max_seq_len"]), progress=False)
+    m = extract_part(
+        part="bench",
+        tokenized=sub,
+        target=target,
+        backend=backend,
+        taps=taps,
+        dtype="bfloat16",
+        revision=0,
+        layout_cfg={k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")},
+        validate_cfg={**_params.load("validate"), "samples": 4},
+        out_dir=OUT / "store",
+        work_root=OUT / "work",
+        batch_tokens=batch_tokens,
+        max_seq_len=int(params["tokenize"]["max_seq_len"]),
+        progress=False,
+    )
     v = m["validation"]["taps"]
-    return {"end_to_end_tok_s": m["tokens_per_s"], "gate_passed": m["validation"]["passed"],
-            "gate_min_cosine_mean": min(x["cosine_mean"] for x in v.values())}
+    return {
+        "end_to_end_tok_s": m["tokens_per_s"],
+        "gate_passed": m["validation"]["passed"],
+        "gate_min_cosine_mean": min(x["cosine_mean"] for x in v.values()),
+    }
 
 
 def main() -> None:
@@ -65,8 +81,10 @@ def main() -> None:
 
     hf = HFBackend(target, taps, dtype="bfloat16", device="cpu")
     hf.extract([seqs[0]])
-    res["hf"] = {"forward_only_tok_s": round(forward_only(hf, seqs, bt), 1),
-                 **end_to_end(hf, sub, target, taps, params, bt)}
+    res["hf"] = {
+        "forward_only_tok_s": round(forward_only(hf, seqs, bt), 1),
+        **end_to_end(hf, sub, target, taps, params, bt),
+    }
     hf.close()
 
     for c in args.concurrency:
@@ -76,10 +94,13 @@ def main() -> None:
         startup = time.time() - t
         # every length batch goes out as concurrent requests: a batch must hold >= c samples to fill the server
         sbt = max(bt, c * 512)
-        res[f"sglang_c{c}"] = {"server_startup_s": round(startup, 1), "batch_tokens": sbt,
-                               "forward_only_tok_s": round(forward_only(sg, seqs, sbt), 1),
-                               **end_to_end(sg, sub, target, taps, params, sbt),
-                               "server_cmd": " ".join(sg.server.cmd[1:])}
+        res[f"sglang_c{c}"] = {
+            "server_startup_s": round(startup, 1),
+            "batch_tokens": sbt,
+            "forward_only_tok_s": round(forward_only(sg, seqs, sbt), 1),
+            **end_to_end(sg, sub, target, taps, params, sbt),
+            "server_cmd": " ".join(sg.server.cmd[1:]),
+        }
         sg.close()
     for k, v in res.items():
         if isinstance(v, dict) and k != "hf":

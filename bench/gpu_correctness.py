@@ -8,6 +8,7 @@
 3. Speculative decoding is lossless on CUDA (random and oracle drafters = greedy output).
 Prints one JSON with every figure and `all_passed`; exits 1 when a check fails.
 """
+
 import json
 import sys
 import tempfile
@@ -23,16 +24,26 @@ from eaglenest.target import materialize
 
 def tiny_target(root: Path):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "model")
     return materialize(str(root / "model"), root / "target")
 
 
 def padded_vs_one_by_one(target) -> dict:
     from tests.conftest import random_samples
+
     out = {}
     # fp32 on CUDA: cuBLAS / SDPA pick other kernels for other batch shapes, so fp32 differs by
     # ~1e-3 relative at worst (CPU: 2e-5); bf16 keeps the CPU suite's tolerance.
@@ -51,6 +62,7 @@ def padded_vs_one_by_one(target) -> dict:
 def ttt_checks() -> dict:
     from eaglenest.drafter.ttt import ttt_loss
     from tests.test_drafter import make_drafter, naive_layer
+
     torch.manual_seed(1)
     d = make_drafter().double().cuda()
     emb = torch.nn.Embedding(300, 64).double().cuda()
@@ -60,7 +72,7 @@ def ttt_checks() -> dict:
     g = d.project(aux)[0]
     worst = 0.0
     for t in range(T - K):
-        xs, es, pos = list(g[:t + 1]), [emb(ids[0, s + 1]) for s in range(t + 1)], list(range(t + 1))
+        xs, es, pos = list(g[: t + 1]), [emb(ids[0, s + 1]) for s in range(t + 1)], list(range(t + 1))
         for k in range(K):
             h = naive_layer(d, torch.stack(xs), torch.stack(es), pos)[-1]
             worst = max(worst, (d.logits(h) - ttt[k][0, t]).abs().max().item())
@@ -73,10 +85,13 @@ def ttt_checks() -> dict:
     d = make_drafter(vd=40).float().cuda()
     emb = torch.nn.Embedding(300, 64).cuda()
     B, T, K = 2, 200, 5
-    batch = {"aux": torch.randn(B, T, 3, 64, device="cuda"), "final": torch.randn(B, T, 64, device="cuda"),
-             "input_ids": torch.randint(0, 300, (B, T), device="cuda"),
-             "loss_mask": (torch.rand(B, T, device="cuda") < 0.8).long(),
-             "in_vocab": (torch.rand(B, T, device="cuda") < 0.9).long()}
+    batch = {
+        "aux": torch.randn(B, T, 3, 64, device="cuda"),
+        "final": torch.randn(B, T, 64, device="cuda"),
+        "input_ids": torch.randint(0, 300, (B, T), device="cuda"),
+        "loss_mask": (torch.rand(B, T, device="cuda") < 0.8).long(),
+        "in_vocab": (torch.rand(B, T, device="cuda") < 0.9).long(),
+    }
     head = torch.randn(40, 64, device="cuda")
     res = {}
     for attention, fused in (("eager", False), ("flex", True)):
@@ -87,9 +102,14 @@ def ttt_checks() -> dict:
         res[attention] = (loss.item(), stats, {n: p.grad.clone() for n, p in d.named_parameters()})
     (l0, s0, g0), (l1, s1, g1) = res["eager"], res["flex"]
     grad_rel = max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max().clamp_min(1e-12)).item() for n in g0)
-    out.update({"flex_fused_loss_rel_diff": abs(l0 - l1) / abs(l0), "flex_fused_grad_max_rel_diff": grad_rel,
-                "flex_fused_stats_equal": bool(torch.allclose(s0, s1, rtol=1e-4)),
-                "flex_fused_ok": abs(l0 - l1) / abs(l0) < 1e-4 and grad_rel < 1e-3})
+    out.update(
+        {
+            "flex_fused_loss_rel_diff": abs(l0 - l1) / abs(l0),
+            "flex_fused_grad_max_rel_diff": grad_rel,
+            "flex_fused_stats_equal": bool(torch.allclose(s0, s1, rtol=1e-4)),
+            "flex_fused_ok": abs(l0 - l1) / abs(l0) < 1e-4 and grad_rel < 1e-3,
+        }
+    )
     return out
 
 
@@ -101,6 +121,7 @@ def speculative_lossless(target) -> dict:
     from eaglenest.target import load_model
     from tests.conftest import random_samples
     from tests.test_train import oracle_drafter
+
     taps = [2, 4, 5]
     model = load_model(target, dtype="float32", device="cuda")
     runner, embed = TargetRunner(model, taps), model.get_input_embeddings()
@@ -116,8 +137,9 @@ def speculative_lossless(target) -> dict:
             prompt = prompt.tolist()
             g = greedy_decode(runner, prompt, 24, eos={2})
             s = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3)
-            s2 = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3,
-                                    draft_fn=oracle_drafter(g.tokens, len(prompt), rng))
+            s2 = speculative_decode(
+                runner, drafter, embed, prompt, 24, eos={2}, k=3, draft_fn=oracle_drafter(g.tokens, len(prompt), rng)
+            )
             out["prompts"] += 1
             out["random_identical"] += s.tokens == g.tokens
             out["oracle_identical"] += s2.tokens == g.tokens
@@ -127,12 +149,18 @@ def speculative_lossless(target) -> dict:
 
 
 def main():
-    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "transformers": __import__("transformers").__version__}
+    res = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         target = tiny_target(Path(tmp))
-        for name, fn in (("padded_vs_one_by_one", lambda: padded_vs_one_by_one(target)), ("ttt", ttt_checks),
-                         ("speculative_lossless", lambda: speculative_lossless(target))):
+        for name, fn in (
+            ("padded_vs_one_by_one", lambda: padded_vs_one_by_one(target)),
+            ("ttt", ttt_checks),
+            ("speculative_lossless", lambda: speculative_lossless(target)),
+        ):
             try:
                 res[name] = fn()
             except Exception as e:  # noqa: BLE001 - report every check, then fail

@@ -9,6 +9,7 @@ Times one decode step through transformers' forward (growing KV cache, padding m
 graphed step. `--random` builds a
 SmolLM2-135M-shaped model with random weights (speed does not depend on the weights), so it needs
 no converted target on the GPU machine. Writes $OUT/gpu_generate.json when OUT is set."""
+
 import argparse
 import json
 import os
@@ -22,9 +23,18 @@ from eaglenest.decoding.batch_decode import HFStepper, decode_batch, left_pad
 from eaglenest.decoding.static_decode import StaticDecoder
 from eaglenest.target import load_model, load_target
 
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 def random_model(attn: str):
@@ -35,8 +45,10 @@ def random_model(attn: str):
 
 def prompts_for(B, L, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 40000, (int(torch.randint(L // 2, L + 1, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(B)]
+    return [
+        torch.randint(10, 40000, (int(torch.randint(L // 2, L + 1, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(B)
+    ]
 
 
 def step_ms(model, B, L, n, static: bool, profile: bool = False) -> float:
@@ -49,8 +61,13 @@ def step_ms(model, B, L, n, static: bool, profile: bool = False) -> float:
         nxt = st.prefill(ids, attn, pos).argmax(-1)
         nxt = st.step(nxt, last + 1).argmax(-1)  # captures the graph
         torch.cuda.synchronize()
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA]) if profile else None
+        prof = (
+            torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            if profile
+            else None
+        )
         if prof:
             prof.__enter__()
         t0 = time.perf_counter()
@@ -73,8 +90,17 @@ def end_to_end(model, B, L, new, static: bool) -> tuple[dict, list]:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     toks = sum(len(d.tokens) for d in out)
-    return ({"rows": B, "context": L, "new": new, "static": static, "seconds": round(dt, 3),
-             "tokens_per_s": round(toks / dt)}, [d.tokens for d in out])
+    return (
+        {
+            "rows": B,
+            "context": L,
+            "new": new,
+            "static": static,
+            "seconds": round(dt, 3),
+            "tokens_per_s": round(toks / dt),
+        },
+        [d.tokens for d in out],
+    )
 
 
 def main() -> None:
@@ -93,7 +119,9 @@ def main() -> None:
                 continue  # the HF path's prefill of 4k x 512 does not fit beside the cache
             k = f"{'static graph' if static else 'transformers'} rows={rows} ctx={a.context}"
             res["steps_ms"][k] = round(step_ms(m, rows, a.context, a.steps, static), 2)
-            print(f"{k:45s} {res['steps_ms'][k]:8.2f} ms/step = {rows / res['steps_ms'][k] * 1e3:9.0f} tok/s", flush=True)
+            print(
+                f"{k:45s} {res['steps_ms'][k]:8.2f} ms/step = {rows / res['steps_ms'][k] * 1e3:9.0f} tok/s", flush=True
+            )
     for rows in (256, 1024):
         (r1, t1), (r2, t2) = (end_to_end(m, rows, a.context, 128, s) for s in (False, True))
         same = sum(x == y for x, y in zip(t1, t2)) / rows

@@ -16,6 +16,7 @@
 
 Each call starts by running `setup` again: code edits here reach the machine, the work repo's
 dvc.lock and data stay. See bench/gpu_carry.py for getting the packages and data there first."""
+
 import argparse
 import json
 import os
@@ -27,8 +28,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SKIP = {".git", ".carry", ".venv", ".venv-sglang", "data", "metrics", "dvc.lock", ".eaglenest", "dvclive",
-        "__pycache__", ".pytest_cache"}
+SKIP = {
+    ".git",
+    ".carry",
+    ".venv",
+    ".venv-sglang",
+    "data",
+    "metrics",
+    "dvc.lock",
+    ".eaglenest",
+    "dvclive",
+    "__pycache__",
+    ".pytest_cache",
+}
 TIMES = "bench/out/gpu_profile_times.json"
 
 
@@ -39,6 +51,7 @@ def sh(cmd: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
 def setup(work: Path, profile: str, sets: list[str]) -> None:
     sys.path.insert(0, str(REPO))
     from eaglenest import profile as prof
+
     fresh = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     for item in REPO.iterdir():
@@ -46,19 +59,27 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
             continue
         dst = work / item.name
         if item.is_dir():
-            shutil.copytree(item, dst, dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "cache", "tmp", "out"))
+            shutil.copytree(
+                item, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "cache", "tmp", "out")
+            )
         else:
             shutil.copy2(item, dst)
     if fresh:  # DVC's .gitignore files (DVC adds the profile's outputs to them) and part pointers
         for d in ("data", "metrics"):
-            shutil.copytree(REPO / d, work / d, dirs_exist_ok=True, ignore=lambda p, names: [
-                n for n in names if not (n.endswith(".dvc") or n == ".gitignore" or (Path(p) / n).is_dir())])
+            shutil.copytree(
+                REPO / d,
+                work / d,
+                dirs_exist_ok=True,
+                ignore=lambda p, names: [
+                    n for n in names if not (n.endswith(".dvc") or n == ".gitignore" or (Path(p) / n).is_dir())
+                ],
+            )
         if (REPO / "dvc.lock").exists():
             shutil.copy2(REPO / "dvc.lock", work / "dvc.lock")
     changes = prof.apply(work / "profiles" / f"{profile}.yaml", work / "params.yaml")
     if sets:  # the same rule as a profile: each section.key must exist
         import yaml
+
         extra = {}
         for s in sets:
             key, value = s.split("=", 1)
@@ -75,21 +96,36 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     if not (work / ".git").exists():
         sh(["git", "init", "-q"], work)
     sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics"], work)
-    sh(["git", "-c", "user.email=gpu@eaglenest", "-c", "user.name=gpu", "commit", "-q", "--allow-empty", "-m",
-        "gpu profile"], work)
+    sh(
+        [
+            "git",
+            "-c",
+            "user.email=gpu@eaglenest",
+            "-c",
+            "user.name=gpu",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            "gpu profile",
+        ],
+        work,
+    )
 
 
 def stages(work: Path) -> list[str]:
-    out = subprocess.run(["dvc", "stage", "list", "--name-only"], cwd=work, check=True, text=True,
-                         capture_output=True).stdout
+    out = subprocess.run(
+        ["dvc", "stage", "list", "--name-only"], cwd=work, check=True, text=True, capture_output=True
+    ).stdout
     return [s for s in out.split() if s]
 
 
 def stream(cmd: list[str], work: Path, log_name: str, deadline: float) -> tuple[int, list[str]]:
     """Run cmd, teeing its output to bench/out/logs/<log_name>.log; SIGINT (then SIGKILL) at the
     deadline, raising TimeoutError. Returns (exit code, output lines)."""
-    p = subprocess.Popen(cmd, cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     lines = []
     log = work / "bench" / "out" / "logs" / f"{log_name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -144,8 +180,21 @@ def run(work: Path, budget: float, min_left: float) -> None:
             print(f"== {stage}: {times[stage]:.1f} s", flush=True)
     # committed: experiments (`exp`) start from it, and `restore` returns to it
     sh(["git", "add", "dvc.lock"], work)
-    sh(["git", "-c", "user.email=gpu@eaglenest", "-c", "user.name=gpu", "commit", "-q", "--allow-empty", "-m",
-        "gpu profile: dvc.lock"], work)
+    sh(
+        [
+            "git",
+            "-c",
+            "user.email=gpu@eaglenest",
+            "-c",
+            "user.name=gpu",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            "gpu profile: dvc.lock",
+        ],
+        work,
+    )
     print("all stages done")
 
 
@@ -180,8 +229,10 @@ def experiment(work: Path, name: str, sets: list[str], budget: float) -> None:
     rows = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["name"] != name]
     path.write_text(json.dumps(rows + [row], indent=1))
     ev = row.get("evaluate", {})
-    print(f"== experiment {name} (exit {rc}, {row['wall_s']} s): tau {ev.get('tau')}, "
-          f"val tau {row.get('train', {}).get('val_simulated_tau')}")
+    print(
+        f"== experiment {name} (exit {rc}, {row['wall_s']} s): tau {ev.get('tau')}, "
+        f"val tau {row.get('train', {}).get('val_simulated_tau')}"
+    )
     restore(work, saved)
 
 
@@ -199,6 +250,7 @@ def report(work: Path, out: Path) -> None:
     def load(rel):
         p = m / rel
         return json.loads(p.read_text()) if p.exists() else {}
+
     times = {k: v for k, v in json.loads((work / TIMES).read_text()).items() if not k.startswith("exp:")}
     ev, tr, pk = load("evaluate.json"), load("train.json"), load("pack.json")
     parts = {p.stem: p for p in (m / "generate").glob("*.json")}
@@ -210,42 +262,68 @@ def report(work: Path, out: Path) -> None:
         kind = stage.split("@")[0]
         by_kind[kind] = round(by_kind.get(kind, 0) + s, 1)
     res = {
-        "tau": ev.get("tau"), "accept_per_position": ev.get("accept_rate_per_position"),
-        "questions": ev.get("questions"), "identical_to_greedy": ev.get("identical_to_greedy"),
-        "speedup": ev.get("speedup"), "tokens_per_s_plain": ev.get("tokens_per_s_plain"),
-        "tokens_per_s_spec": ev.get("tokens_per_s_spec"), "max_new_tokens": ev.get("max_new_tokens"),
+        "tau": ev.get("tau"),
+        "accept_per_position": ev.get("accept_rate_per_position"),
+        "questions": ev.get("questions"),
+        "identical_to_greedy": ev.get("identical_to_greedy"),
+        "speedup": ev.get("speedup"),
+        "tokens_per_s_plain": ev.get("tokens_per_s_plain"),
+        "tokens_per_s_spec": ev.get("tokens_per_s_spec"),
+        "max_new_tokens": ev.get("max_new_tokens"),
         "specforge_tau_ratio": None,
         "wall_s": {"total": round(sum(times.values()), 1), **by_kind},
         "wall_s_per_stage": times,
         "conversations": sum(g.get("conversations_kept", g.get("conversations", 0)) for g in gen.values()),
-        "generate": {"turns_regenerated": sum(g.get("regenerated", 0) for g in gen.values()),
-                     "turns_total": sum(g.get("assistant_turns", 0) for g in gen.values()),
-                     "cut_at_max_tokens": sum(g.get("cut_at_max_tokens", 0) for g in gen.values()),
-                     "cut_at_context": sum(g.get("cut_at_context", 0) for g in gen.values()),
-                     "skipped_context": sum(g.get("skipped_context", 0) for g in gen.values()),
-                     "skipped_empty": sum(g.get("skipped_empty", 0) for g in gen.values()),
-                     "generated_tokens": sum(g.get("generated_tokens", 0) for g in gen.values()),
-                     "decode_s": round(sum(g.get("decode_seconds", 0) for g in gen.values()), 1)},
+        "generate": {
+            "turns_regenerated": sum(g.get("regenerated", 0) for g in gen.values()),
+            "turns_total": sum(g.get("assistant_turns", 0) for g in gen.values()),
+            "cut_at_max_tokens": sum(g.get("cut_at_max_tokens", 0) for g in gen.values()),
+            "cut_at_context": sum(g.get("cut_at_context", 0) for g in gen.values()),
+            "skipped_context": sum(g.get("skipped_context", 0) for g in gen.values()),
+            "skipped_empty": sum(g.get("skipped_empty", 0) for g in gen.values()),
+            "generated_tokens": sum(g.get("generated_tokens", 0) for g in gen.values()),
+            "decode_s": round(sum(g.get("decode_seconds", 0) for g in gen.values()), 1),
+        },
         "tokenized_tokens": sum(t.get("tokens", 0) for t in tok.values()),
         "loss_tokens": sum(t.get("loss_tokens", 0) for t in tok.values()),
-        "extract": {k: {"tokens_per_s": e.get("tokens_per_s"), "gate_passed": e.get("validation", {}).get("passed")}
-                    for k, e in ext.items()},
-        "train_tokens": pk.get("train_tokens"), "pack": pk,
-        "train": {k: tr.get(k) for k in ("epochs", "steps", "tokens_per_s", "train_loss", "val_loss",
-                                         "val_acc_per_step", "val_simulated_tau")},
+        "extract": {
+            k: {"tokens_per_s": e.get("tokens_per_s"), "gate_passed": e.get("validation", {}).get("passed")}
+            for k, e in ext.items()
+        },
+        "train_tokens": pk.get("train_tokens"),
+        "pack": pk,
+        "train": {
+            k: tr.get(k)
+            for k in (
+                "epochs",
+                "steps",
+                "tokens_per_s",
+                "train_loss",
+                "val_loss",
+                "val_acc_per_step",
+                "val_simulated_tau",
+            )
+        },
     }
     g = res["generate"]
     g["tokens_per_s"] = round(g["generated_tokens"] / g["decode_s"], 1) if g["decode_s"] else None
     out.mkdir(parents=True, exist_ok=True)
     if (work / EXPS).exists():
-        res["experiments"] = [{"name": r["name"], "set": r["set"], "exit": r["exit"], "wall_s": r["wall_s"],
-                               "tau": r.get("evaluate", {}).get("tau"),
-                               "accept_per_position": r.get("evaluate", {}).get("accept_rate_per_position"),
-                               "identical_to_greedy": r.get("evaluate", {}).get("identical_to_greedy"),
-                               "val_simulated_tau": r.get("train", {}).get("val_simulated_tau"),
-                               "val_loss": r.get("train", {}).get("val_loss"),
-                               "train_tokens": r.get("pack", {}).get("train_tokens")}
-                              for r in json.loads((work / EXPS).read_text())]
+        res["experiments"] = [
+            {
+                "name": r["name"],
+                "set": r["set"],
+                "exit": r["exit"],
+                "wall_s": r["wall_s"],
+                "tau": r.get("evaluate", {}).get("tau"),
+                "accept_per_position": r.get("evaluate", {}).get("accept_rate_per_position"),
+                "identical_to_greedy": r.get("evaluate", {}).get("identical_to_greedy"),
+                "val_simulated_tau": r.get("train", {}).get("val_simulated_tau"),
+                "val_loss": r.get("train", {}).get("val_loss"),
+                "train_tokens": r.get("pack", {}).get("train_tokens"),
+            }
+            for r in json.loads((work / EXPS).read_text())
+        ]
     (out / "gpu_profile.json").write_text(json.dumps(res, indent=1) + "\n")
     for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json"):
         if (m / rel).exists():

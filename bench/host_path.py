@@ -11,6 +11,7 @@ processes + the manifest's durable commit, reported as piece_s minus the measure
 are 8B-shaped (3 taps + final x 4096, 256 MB shards) of random-normal bf16 states, which zstd-1
 shrinks about as much as real states. Writes bench/out/host_path.json (BENCH_OUT overrides the
 directory)."""
+
 import argparse
 import json
 import mmap
@@ -46,20 +47,27 @@ def states(layout: Layout, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     S, A, H = layout.shard_tokens, layout.n_aux, layout.hidden
     bits = lambda shape: (rng.standard_normal(shape, dtype=np.float32) * 0.7).view(np.uint32) >> 16  # noqa: E731
-    return {"input_ids": rng.integers(0, 128000, S, dtype=np.int32), "aux": bits((S, A, H)).astype(np.uint16),
-            "final": bits((S, H)).astype(np.uint16)}
+    return {
+        "input_ids": rng.integers(0, 128000, S, dtype=np.int32),
+        "aux": bits((S, A, H)).astype(np.uint16),
+        "final": bits((S, H)).astype(np.uint16),
+    }
 
 
 def per_core(layout: Layout, a: dict) -> dict:
     aux = a["aux"]
     dst = np.empty_like(aux)
     dst[:] = 1  # touched: the pool reuses buffers
-    out = {"fill_copy_GB_s": rate(aux.nbytes, lambda: np.copyto(dst, aux)),
-           "digest_xxh3_GB_s": rate(aux.nbytes, lambda: content_digest(aux)),
-           "crc32c_GB_s": rate(aux.nbytes, lambda: crc32c(aux))}
+    out = {
+        "fill_copy_GB_s": rate(aux.nbytes, lambda: np.copyto(dst, aux)),
+        "digest_xxh3_GB_s": rate(aux.nbytes, lambda: content_digest(aux)),
+        "crc32c_GB_s": rate(aux.nbytes, lambda: crc32c(aux)),
+    }
     for codec in ("none", "zstd"):
         parts = encode_shard(aux, layout.chunk_tokens, codec, 1, 0)
-        out[f"encode_{codec}_GB_s"] = rate(aux.nbytes, lambda: encode_shard(aux, layout.chunk_tokens, codec, 1, 0))
+        out[f"encode_{codec}_GB_s"] = rate(
+            aux.nbytes, lambda codec=codec: encode_shard(aux, layout.chunk_tokens, codec, 1, 0)
+        )
         out[f"encode_{codec}_ratio"] = round(aux.nbytes / sum(len(memoryview(p).cast("B")) for p in parts), 3)
     return out
 
@@ -78,7 +86,7 @@ def _write(path: str, blob_size: int, files: int, fsync: bool, direct: bool) -> 
         fd = os.open(f"{path}.{k}", flags, 0o644)
         left = blob_size
         while left > 0:
-            left -= os.write(fd, blob[:min(left, len(blob))])
+            left -= os.write(fd, blob[: min(left, len(blob))])
         if fsync:
             os.fsync(fd)
         os.close(fd)
@@ -86,8 +94,11 @@ def _write(path: str, blob_size: int, files: int, fsync: bool, direct: bool) -> 
 
 def disk(root: Path, blob_size: int, pieces: int, procs: list[int]) -> dict:
     out = {}
-    for name, fsync, direct, plist in (("write_fsync", True, False, procs), ("write_no_fsync", False, False, [1, 4]),
-                                       ("write_odirect", True, True, [1, 2])):
+    for name, fsync, direct, plist in (
+        ("write_fsync", True, False, procs),
+        ("write_no_fsync", False, False, [1, 4]),
+        ("write_odirect", True, True, [1, 2]),
+    ):
         for p in plist:
             shutil.rmtree(root, ignore_errors=True)
             root.mkdir(parents=True)
@@ -120,6 +131,7 @@ def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) 
     import zarr
 
     from eaglenest.store.hidden_store import create_arrays
+
     S = layout.shard_tokens
     rows = [{"start": 0, "length": S}]
     out = {}
@@ -134,16 +146,22 @@ def writers(root: Path, layout: Layout, a: dict, pieces: int, procs: list[int]) 
                 for b in bufs:  # map each buffer once, as pooled buffers stay mapped
                     ex.submit(write_piece_shared, str(root / "warm"), 0, lay, b.spec, []).result()
                 t = time.perf_counter()
-                futs = [ex.submit(write_piece_shared, str(root), i, lay, bufs[i % p].spec, [dict(r, start=i * S)
-                                                                                         for r in rows])
-                        for i in range(pieces)]
+                futs = [
+                    ex.submit(
+                        write_piece_shared, str(root), i, lay, bufs[i % p].spec, [dict(r, start=i * S) for r in rows]
+                    )
+                    for i in range(pieces)
+                ]
                 phases = [f.result()[2] for f in futs]
                 dt = time.perf_counter() - t
             pool.close()
             nbytes = pieces * sum(v.nbytes for v in a.values())
             tot = {k: round(sum(ph[k] for ph in phases), 2) for k in phases[0]}
-            out[f"write_piece_{codec}_p{p}"] = {"GB_s": round(nbytes / dt / 1e9, 2),
-                                                "tok_s": round(pieces * S / dt, 1), "seconds_summed": tot}
+            out[f"write_piece_{codec}_p{p}"] = {
+                "GB_s": round(nbytes / dt / 1e9, 2),
+                "tok_s": round(pieces * S / dt, 1),
+                "seconds_summed": tot,
+            }
             print(codec, p, out[f"write_piece_{codec}_p{p}"], flush=True)
     shutil.rmtree(root, ignore_errors=True)
     return out
@@ -171,6 +189,7 @@ def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[i
     from eaglenest.extraction.work_dir import WorkDir
     from eaglenest.extraction.writers import PieceWriter
     from eaglenest.store.hidden_store import create_arrays
+
     S, out = layout.shard_tokens, {}
     for codec in ("none", "zstd"):
         lay = Layout(layout.hidden, layout.n_aux, layout.chunk_tokens, S, codec, 1)
@@ -189,11 +208,13 @@ def piece_writer(root: Path, layout: Layout, a: dict, pieces: int, procs: list[i
             dt = time.perf_counter() - t
             pool.close()
             sec = {k: round(v, 2) for k, v in writer.seconds.items()}
-            sec["handover_and_commit_s"] = round(sec["piece_s"] - sec["digest_s"] - sec["encode_s"]
-                                                 - sec["write_s"], 2)
+            sec["handover_and_commit_s"] = round(sec["piece_s"] - sec["digest_s"] - sec["encode_s"] - sec["write_s"], 2)
             nbytes = pieces * sum(v.nbytes for v in a.values())
-            out[f"piece_writer_{codec}_p{p}"] = {"GB_s": round(nbytes / dt / 1e9, 2),
-                                                 "tok_s": round(pieces * S / dt, 1), "seconds_summed": sec}
+            out[f"piece_writer_{codec}_p{p}"] = {
+                "GB_s": round(nbytes / dt / 1e9, 2),
+                "tok_s": round(pieces * S / dt, 1),
+                "seconds_summed": sec,
+            }
             print(codec, p, out[f"piece_writer_{codec}_p{p}"], flush=True)
     shutil.rmtree(root, ignore_errors=True)
     return out
@@ -210,8 +231,12 @@ def main():
     layout = Layout.for_sizes(args.hidden, 3, max_seq_len=2048, chunk_mb=1, shard_mb=256, codec="none", level=1)
     a = states(layout)
     piece_bytes = sum(v.nbytes for v in a.values())
-    res = {"cpus": os.cpu_count(), "piece_MB": round(piece_bytes / 1e6, 1), "shard_tokens": layout.shard_tokens,
-           "bytes_per_token": piece_bytes // layout.shard_tokens}
+    res = {
+        "cpus": os.cpu_count(),
+        "piece_MB": round(piece_bytes / 1e6, 1),
+        "shard_tokens": layout.shard_tokens,
+        "bytes_per_token": piece_bytes // layout.shard_tokens,
+    }
     res["per_core"] = per_core(layout, a)
     print(json.dumps(res), flush=True)
     if not args.skip_disk:

@@ -10,6 +10,7 @@ states taken in bf16 as extraction takes them, scored by the same `ttt_loss` sta
 
     python -m bench.mtbench_teacher_forced [--repo .] [--max-new-tokens 256] [--out FILE]
 (run in a repository where data/target, data/drafter and data/packed exist, e.g. after the GPU profile)."""
+
 import argparse
 import json
 from pathlib import Path
@@ -41,8 +42,9 @@ def main() -> None:
     taps = drafter.config.taps
     prompts = []
     for p in mtbench_prompts(a.questions):
-        x = tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)
+        x = tok.apply_chat_template(
+            [{"role": "user", "content": p["text"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         prompts.append(list(x["input_ids"] if isinstance(x, dict) else x))
     # the answers evaluate verifies against: greedy, fp32 target
     fp32 = load_model(target, dtype="float32", device=dev)
@@ -63,23 +65,35 @@ def main() -> None:
         aux = torch.stack([out.hidden_states[j] for j in taps], 2)
         final = out.hidden_states[-1]
         mask = torch.zeros_like(ids)
-        mask[0, len(p):] = 1
-        batch = {"aux": aux, "final": final, "input_ids": ids, "loss_mask": mask,
-                 "in_vocab": t2d[(final @ heads["lm_head"].to(dev).T).argmax(-1)].long()}
+        mask[0, len(p) :] = 1
+        batch = {
+            "aux": aux,
+            "final": final,
+            "input_ids": ids,
+            "loss_mask": mask,
+            "in_vocab": t2d[(final @ heads["lm_head"].to(dev).T).argmax(-1)].long(),
+        }
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             _, st = ttt_loss(drafter, batch, embed, head_sel, a.steps, [1.0] * a.steps)
         stats += st.float()
     s = summarize(stats)
     train = json.loads((a.repo / "metrics/train.json").read_text()) if (a.repo / "metrics/train.json").exists() else {}
-    ev = json.loads((a.repo / "metrics/evaluate.json").read_text()) if (a.repo / "metrics/evaluate.json").exists() else {}
+    ev = (
+        json.loads((a.repo / "metrics/evaluate.json").read_text())
+        if (a.repo / "metrics/evaluate.json").exists()
+        else {}
+    )
     from eaglenest.drafter.train import simulated_acceptance
-    res = {"mtbench_teacher_forced_acc_per_step": s["acc_per_step"],
-           "mtbench_teacher_forced_sim_tau_k3": simulated_acceptance(s["acc_per_step"][:3]),
-           "mtbench_answer_tokens": s["tokens"],
-           "sharegpt_val_acc_per_step": train.get("val_acc_per_step"),
-           "sharegpt_val_sim_tau_k3": simulated_acceptance(train["val_acc_per_step"][:3]) if train else None,
-           "mtbench_tau_k3": ev.get("tau", {}).get("3"),
-           "mtbench_accept_per_position_k3": ev.get("accept_rate_per_position", {}).get("3")}
+
+    res = {
+        "mtbench_teacher_forced_acc_per_step": s["acc_per_step"],
+        "mtbench_teacher_forced_sim_tau_k3": simulated_acceptance(s["acc_per_step"][:3]),
+        "mtbench_answer_tokens": s["tokens"],
+        "sharegpt_val_acc_per_step": train.get("val_acc_per_step"),
+        "sharegpt_val_sim_tau_k3": simulated_acceptance(train["val_acc_per_step"][:3]) if train else None,
+        "mtbench_tau_k3": ev.get("tau", {}).get("3"),
+        "mtbench_accept_per_position_k3": ev.get("accept_rate_per_position", {}).get("3"),
+    }
     print(json.dumps(res, indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ On a random-weight Llama built from a config (no download) it measures
   - training: `Trainer` under torchrun with 1 vs N processes (DDP, NCCL), same global batch:
     loss curves compared, tokens/s and scaling efficiency.
 """
+
 import argparse
 import json
 import os
@@ -29,22 +30,40 @@ def build(args):
 
     from eaglenest.data.chat import SCHEMA
     from eaglenest.target import materialize
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
-                      num_key_value_heads=max(1, args.hidden // 512), max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=int(args.hidden * 2.75),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=max(1, args.hidden // 512),
+        max_position_embeddings=4096,
+    )
     model_dir = OUT / "target" / "model"
     with torch.device("cuda"):
         LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
     materialize(str(model_dir.resolve()), OUT / "target")
     rng = np.random.default_rng(0)
     for part in ("p0", "p1"):
-        seqs = [rng.integers(3, 32000, size=int(rng.integers(args.seq // 2, args.seq + 1))) for _ in range(args.samples)]
+        seqs = [
+            rng.integers(3, 32000, size=int(rng.integers(args.seq // 2, args.seq + 1))) for _ in range(args.samples)
+        ]
         masks = [(rng.random(len(s)) < 0.8).astype(np.uint8).tolist() for s in seqs]
         (OUT / "tokenized").mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table({"id": [f"{part}-{i}" for i in range(len(seqs))], "input_ids": [s.tolist() for s in seqs],
-                                 "loss_mask": masks, "n_tokens": [len(s) for s in seqs]}, schema=SCHEMA),
-                       OUT / "tokenized" / f"{part}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "id": [f"{part}-{i}" for i in range(len(seqs))],
+                    "input_ids": [s.tolist() for s in seqs],
+                    "loss_mask": masks,
+                    "n_tokens": [len(s) for s in seqs],
+                },
+                schema=SCHEMA,
+            ),
+            OUT / "tokenized" / f"{part}.parquet",
+        )
 
 
 def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:
@@ -53,13 +72,25 @@ def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:
     from eaglenest.taps import resolve_taps
     from eaglenest.target import load_target
     from stages import _params
+
     t = load_target(OUT / "target")
     taps = resolve_taps("auto", t.num_layers)
-    return extract_part(part=part, tokenized=OUT / "tokenized" / f"{part}.parquet", target=t,
-                        backend=HFBackend(t, taps, device=device), taps=taps, dtype="bfloat16", revision=0,
-                        layout_cfg=dict(chunk_mb=1, shard_mb=256, codec="none", level=1), validate_cfg={**_params.load("validate"), "samples": 4},
-                        out_dir=Path(out_root) / part, work_root=Path(out_root) / "work", batch_tokens=16384,
-                        max_seq_len=seq, progress=False)
+    return extract_part(
+        part=part,
+        tokenized=OUT / "tokenized" / f"{part}.parquet",
+        target=t,
+        backend=HFBackend(t, taps, device=device),
+        taps=taps,
+        dtype="bfloat16",
+        revision=0,
+        layout_cfg=dict(chunk_mb=1, shard_mb=256, codec="none", level=1),
+        validate_cfg={**_params.load("validate"), "samples": 4},
+        out_dir=Path(out_root) / part,
+        work_root=Path(out_root) / "work",
+        batch_tokens=16384,
+        max_seq_len=seq,
+        progress=False,
+    )
 
 
 def train_main(args):
@@ -68,16 +99,28 @@ def train_main(args):
     from eaglenest.drafter.train import TrainConfig, Trainer
     from eaglenest.target import load_target
     from stages import _params
-    cfg = TrainConfig.from_params({**_params.load("train"), "epochs": 1, "lr": 1e-3, "ttt_steps": 7,
-                                   "batch_tokens": args.seq * 4, "micro_batches": 4, "autocast": "bf16",
-                                   "ckpt_every": 10**9, "device": "cuda"})
+
+    cfg = TrainConfig.from_params(
+        {
+            **_params.load("train"),
+            "epochs": 1,
+            "lr": 1e-3,
+            "ttt_steps": 7,
+            "batch_tokens": args.seq * 4,
+            "micro_batches": 4,
+            "autocast": "bf16",
+            "ckpt_every": 10**9,
+            "device": "cuda",
+        }
+    )
     tr = Trainer(OUT / "packed", load_target(OUT / "target"), cfg, OUT / f"ckpt-{os.environ.get('WORLD_SIZE')}")
     if tr.ckpt_path.exists():
         tr.ckpt_path.unlink()
     r = tr.fit(progress=False)
     if tr.rank == 0:
-        (OUT / f"train-{tr.world}.json").write_text(json.dumps({"history": [h["loss"] for h in r["history"]],
-                                                                "tokens_per_s": r["tokens_per_s"]}))
+        (OUT / f"train-{tr.world}.json").write_text(
+            json.dumps({"history": [h["loss"] for h in r["history"]], "tokens_per_s": r["tokens_per_s"]})
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -88,8 +131,13 @@ def run_all(args):
     from eaglenest.data.pack import pack
     from eaglenest.store.hidden_store import HiddenStore
     from eaglenest.target import load_heads, load_target
-    res = {"gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0), "hidden": args.hidden,
-           "layers": args.layers}
+
+    res = {
+        "gpus": torch.cuda.device_count(),
+        "gpu": torch.cuda.get_device_name(0),
+        "hidden": args.hidden,
+        "layers": args.layers,
+    }
     build(args)
     me = [sys.executable, "-m", "bench.multi_gpu"]
     common = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--seq", str(args.seq)]
@@ -98,8 +146,13 @@ def run_all(args):
         subprocess.run(me + ["extract-one", part, str(OUT / "one"), "cuda:0"] + common, check=True)
     res["extract_one_gpu_s"] = round(time.time() - t, 2)
     t = time.time()
-    procs = [subprocess.Popen(me + ["extract-one", part, str(OUT / "two"), "cuda:0"] + common,
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}) for i, part in enumerate(("p0", "p1"))]
+    procs = [
+        subprocess.Popen(
+            me + ["extract-one", part, str(OUT / "two"), "cuda:0"] + common,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": str(i)},
+        )
+        for i, part in enumerate(("p0", "p1"))
+    ]
     assert all(p.wait() == 0 for p in procs)
     res["extract_two_gpus_s"] = round(time.time() - t, 2)
     tokens = 0
@@ -114,19 +167,46 @@ def run_all(args):
     res["extract_tok_s_one_gpu"] = round(tokens / res["extract_one_gpu_s"], 1)
     res["extract_tok_s_two_gpus"] = round(tokens / res["extract_two_gpus_s"], 1)
     t = time.time()
-    pack(["p0", "p1"], OUT / "one", OUT / "tokenized", OUT / "packed", lm_head=load_heads(load_target(OUT / "target"))["lm_head"],
-         draft_vocab_size=8192, val_fraction=0.05, progress=False, device="cuda")
+    pack(
+        ["p0", "p1"],
+        OUT / "one",
+        OUT / "tokenized",
+        OUT / "packed",
+        lm_head=load_heads(load_target(OUT / "target"))["lm_head"],
+        draft_vocab_size=8192,
+        val_fraction=0.05,
+        progress=False,
+        device="cuda",
+    )
     res["pack_s"] = round(time.time() - t, 2)
     for n in (1, args.gpus):
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                        "-m", "bench.multi_gpu", "train"] + common, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(n),
+                "-m",
+                "bench.multi_gpu",
+                "train",
+            ]
+            + common,
+            check=True,
+        )
     one = json.loads((OUT / "train-1.json").read_text())
     many = json.loads((OUT / f"train-{args.gpus}.json").read_text())
     h1, hn = np.array(one["history"]), np.array(many["history"])
-    res.update(train_steps=len(h1), train_tok_s_1=one["tokens_per_s"], train_tok_s_n=many["tokens_per_s"],
-               scaling_efficiency=round(many["tokens_per_s"] / (args.gpus * one["tokens_per_s"]), 3),
-               loss_first_last_1=[float(h1[0]), float(h1[-1])], loss_first_last_n=[float(hn[0]), float(hn[-1])],
-               loss_max_rel_diff=float(np.max(np.abs(h1 - hn) / np.abs(h1))))
+    res.update(
+        train_steps=len(h1),
+        train_tok_s_1=one["tokens_per_s"],
+        train_tok_s_n=many["tokens_per_s"],
+        scaling_efficiency=round(many["tokens_per_s"] / (args.gpus * one["tokens_per_s"]), 3),
+        loss_first_last_1=[float(h1[0]), float(h1[-1])],
+        loss_first_last_n=[float(hn[0]), float(hn[-1])],
+        loss_max_rel_diff=float(np.max(np.abs(h1 - hn) / np.abs(h1))),
+    )
     print(json.dumps(res, indent=2))
     (OUT / "results.json").write_text(json.dumps(res, indent=2))
 
@@ -142,6 +222,7 @@ def main():
     ap.add_argument("--gpus", type=int, default=2)
     args = ap.parse_args()
     from eaglenest.errors import setup_logging
+
     setup_logging()
     if args.cmd == "all":
         run_all(args)

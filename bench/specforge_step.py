@@ -11,6 +11,7 @@ eaglenest: the same weights in fp32 master, bf16 autocast, flex TTT attention, t
 around it, fused loss, fused AdamW, clip 0.5, denominators T (so both losses are sum_k 0.8^k sum_t mask CE / T).
 Before timing, both losses and their gradients are compared on the shared batch.
 """
+
 import argparse
 import json
 import os
@@ -35,10 +36,20 @@ def main():
     from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
     from eaglenest.drafter.train import FrozenEmbedding
     from eaglenest.drafter.ttt import ttt_loss
+
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=14336, num_hidden_layers=1,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=14336,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+    )
     cfg.draft_vocab_size = VD
     cfg.target_hidden_size = H
     torch.manual_seed(0)
@@ -53,10 +64,13 @@ def main():
 
     dcfg = DrafterConfig.from_target({**cfg.to_dict(), "num_hidden_layers": 32}, VD, [2, 16, 29])
     ours = Eagle3Drafter(dcfg).cuda()
-    missing, unexpected = ours.load_state_dict({k: v.float() for k, v in sf.state_dict().items()
-                                                if not k.startswith("embed_tokens")}, strict=False)
-    res["weights_not_shared"] = {"missing": [m for m in missing if not m.startswith("rotary")],
-                                 "unexpected": unexpected}
+    missing, unexpected = ours.load_state_dict(
+        {k: v.float() for k, v in sf.state_dict().items() if not k.startswith("embed_tokens")}, strict=False
+    )
+    res["weights_not_shared"] = {
+        "missing": [m for m in missing if not m.startswith("rotary")],
+        "unexpected": unexpected,
+    }
     ours.set_vocab(torch.arange(VD, device="cuda"))
     ours.set_attention("flex")
     ours.compile_blocks()  # as the trainer does on CUDA (train.compile: auto)
@@ -67,18 +81,27 @@ def main():
     final = torch.randn(1, T, H, device="cuda", generator=g).to(torch.bfloat16)
     lm_head = (torch.randn(V, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     ids = torch.randint(0, V, (1, T), device="cuda", generator=g)
-    target = final @ lm_head.T                                  # the target's logits [1, T, V]
+    target = final @ lm_head.T  # the target's logits [1, T, V]
     in_vocab = (target.argmax(-1) < VD).long()
-    batch = {"aux": aux.float(), "final": final.float(), "input_ids": ids,
-             "loss_mask": torch.ones(1, T, dtype=torch.long, device="cuda"), "in_vocab": in_vocab}
+    batch = {
+        "aux": aux.float(),
+        "final": final.float(),
+        "input_ids": ids,
+        "loss_mask": torch.ones(1, T, dtype=torch.long, device="cuda"),
+        "in_vocab": in_vocab,
+    }
     head_sel = lm_head[:VD].clone()
     del lm_head
 
     def sf_loss():
-        plosses = sf_model(input_ids=padding(ids, left=False), attention_mask=torch.ones_like(ids),
-                           target=padding(target, left=False), loss_mask=torch.ones(1, T, 1, device="cuda"),
-                           hidden_states=aux.flatten(-2))[0]
-        return sum(0.8 ** k * p for k, p in enumerate(plosses)), plosses
+        plosses = sf_model(
+            input_ids=padding(ids, left=False),
+            attention_mask=torch.ones_like(ids),
+            target=padding(target, left=False),
+            loss_mask=torch.ones(1, T, 1, device="cuda"),
+            hidden_states=aux.flatten(-2),
+        )[0]
+        return sum(0.8**k * p for k, p in enumerate(plosses)), plosses
 
     def our_loss():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -94,11 +117,14 @@ def main():
         a = dict(sf.named_parameters())[name].grad.float().flatten()
         b = dict(ours.named_parameters())[name].grad.float().flatten()
         cos[name] = round(torch.nn.functional.cosine_similarity(a, b, 0).item(), 5)
-    res["agreement"] = {"specforge_loss": la.item(), "eaglenest_loss": lb.item(),
-                        "rel_diff": abs(la.item() - lb.item()) / abs(la.item()),
-                        "per_step_specforge": [round(p.item(), 5) for p in plosses],
-                        "per_step_eaglenest": [round(x, 5) for x in (stats[:, 0] / T).tolist()],
-                        "grad_cosine": cos}
+    res["agreement"] = {
+        "specforge_loss": la.item(),
+        "eaglenest_loss": lb.item(),
+        "rel_diff": abs(la.item() - lb.item()) / abs(la.item()),
+        "per_step_specforge": [round(p.item(), 5) for p in plosses],
+        "per_step_eaglenest": [round(x, 5) for x in (stats[:, 0] / T).tolist()],
+        "grad_cosine": cos,
+    }
     print(json.dumps(res), flush=True)
     sf.zero_grad(set_to_none=True)
     ours.zero_grad(set_to_none=True)
@@ -111,15 +137,19 @@ def main():
         loss.backward()
         opt.step()
         sf.zero_grad(set_to_none=True)
+
     ours.cpu()
     embed.cpu()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     dt = cuda_time(sf_step, reps=args.reps)
-    res["specforge"] = {"step_ms": round(dt * 1e3, 1), "tok_s": round(T / dt, 1),
-                        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    res["specforge"] = {
+        "step_ms": round(dt * 1e3, 1),
+        "tok_s": round(T / dt, 1),
+        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
     print(json.dumps(res), flush=True)
-    del opt
+    opt = None  # `sf_step` holds it
     sf.cpu()
     torch.cuda.empty_cache()
 
@@ -135,10 +165,14 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.5)
         o2.step()
+
     torch.cuda.reset_peak_memory_stats()
     dt = cuda_time(our_step, reps=args.reps)
-    res["eaglenest"] = {"step_ms": round(dt * 1e3, 1), "tok_s": round(T / dt, 1),
-                        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    res["eaglenest"] = {
+        "step_ms": round(dt * 1e3, 1),
+        "tok_s": round(T / dt, 1),
+        "peak_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
     res["speedup"] = round(res["eaglenest"]["tok_s"] / res["specforge"]["tok_s"], 3)
     print(json.dumps(res, indent=2), flush=True)
     out = os.environ.get("BENCH_OUT", "bench/out/gpu")

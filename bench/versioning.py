@@ -7,6 +7,7 @@ In a scratch clone (bench/out/versioning) with N small ShareGPT parts it measure
   - no-op `dvc repro` and `dvc status`
   - `dvc push` / `dvc pull` of the stores to a real sshd on 127.0.0.1 (MB/s), files per GB stored
 """
+
 import argparse
 import json
 import shutil
@@ -46,8 +47,12 @@ def main() -> None:
     params_more["store"].update(chunk_mb=1, shard_mb=128)
     write_params(repo, params_more)
     add_s, out = timed(f"dvc repro extract@{names[-1]}", repo)
-    assert ran(out) == {f"sharegpt@{names[-1]}", f"generate@{names[-1]}", f"tokenize@{names[-1]}",
-                        f"extract@{names[-1]}"}, out
+    assert ran(out) == {
+        f"sharegpt@{names[-1]}",
+        f"generate@{names[-1]}",
+        f"tokenize@{names[-1]}",
+        f"extract@{names[-1]}",
+    }, out
     commit(repo, "one more part")
     noop = min(timed("dvc repro " + " ".join(f"extract@{n}" for n in names), repo)[0] for _ in range(3))
     status = min(timed("dvc status", repo)[0] for _ in range(3))
@@ -68,12 +73,22 @@ def main() -> None:
     finally:
         server.stop()
     pushed = sum(p.stat().st_size for p in (OUT / "remote").rglob("*") if p.is_file())
-    res = {"parts": args.parts, "per_part": args.per_part, "full_extract_s": round(full_s, 1),
-           "add_one_part_s": round(add_s, 1), "add_vs_full_ratio": round(add_s / full_s, 3),
-           "noop_repro_s": round(noop, 2), "dvc_status_s": round(status, 2), "stored_MB": round(stored / 1e6, 1),
-           "store_files": files, "files_per_GB": round(files / (stored / 1e9), 1),
-           "push_s": round(push_s, 2), "push_MB_s": round(pushed / 1e6 / push_s, 1),
-           "pull_s": round(pull_s, 2), "pull_MB_s": round(pushed / 1e6 / pull_s, 1)}
+    res = {
+        "parts": args.parts,
+        "per_part": args.per_part,
+        "full_extract_s": round(full_s, 1),
+        "add_one_part_s": round(add_s, 1),
+        "add_vs_full_ratio": round(add_s / full_s, 3),
+        "noop_repro_s": round(noop, 2),
+        "dvc_status_s": round(status, 2),
+        "stored_MB": round(stored / 1e6, 1),
+        "store_files": files,
+        "files_per_GB": round(files / (stored / 1e9), 1),
+        "push_s": round(push_s, 2),
+        "push_MB_s": round(pushed / 1e6 / push_s, 1),
+        "pull_s": round(pull_s, 2),
+        "pull_MB_s": round(pushed / 1e6 / pull_s, 1),
+    }
     print(json.dumps(res, indent=2))
     (OUT.parent / "versioning.json").write_text(json.dumps(res, indent=2))
 

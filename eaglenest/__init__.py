@@ -2,6 +2,7 @@
 
 The library knows nothing of DVC or params.yaml; `stages/` wires it to the pipeline.
 """
+
 import os
 
 # No code path may reach a model hub (docs/design.md: Target): every load is local.

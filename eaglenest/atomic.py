@@ -1,4 +1,5 @@
 """Durable, all-or-nothing file writes: temp file, fsync, rename."""
+
 import json
 import os
 from pathlib import Path

@@ -1,13 +1,14 @@
 """`eaglenest` command line: inspect and verify hidden-state stores.
 
-    eaglenest verify data/hidden/*      re-hash every sample; exit 1 if any does not match
-    eaglenest info data/hidden/<part>   attributes, sample and token counts
-    eaglenest stores [data/hidden]      list stores grouped by extractor fingerprint
-    eaglenest invalidate                list extractor fingerprints and the parts each one made
-    eaglenest invalidate FP [--run]     re-extract exactly the parts made by extractor FP (prefix)
-    eaglenest profile                   list the params profiles (profiles/*.yaml)
-    eaglenest profile NAME [--dry-run]  write profile NAME's keys into params.yaml
+eaglenest verify data/hidden/*      re-hash every sample; exit 1 if any does not match
+eaglenest info data/hidden/<part>   attributes, sample and token counts
+eaglenest stores [data/hidden]      list stores grouped by extractor fingerprint
+eaglenest invalidate                list extractor fingerprints and the parts each one made
+eaglenest invalidate FP [--run]     re-extract exactly the parts made by extractor FP (prefix)
+eaglenest profile                   list the params profiles (profiles/*.yaml)
+eaglenest profile NAME [--dry-run]  write profile NAME's keys into params.yaml
 """
+
 import argparse
 import json
 import sys
@@ -69,14 +70,17 @@ def parts_by_extractor(root: Path) -> dict[str, list[str]]:
 def cmd_invalidate(args) -> int:
     """The CLI edge that drives DVC: the library itself knows nothing of it."""
     import subprocess
+
     groups = parts_by_extractor(Path(args.root))
     if not args.fingerprint:
         cmd_stores(args)
         return 0
     hits = [fp for fp in groups if fp.startswith(args.fingerprint)]
     if len(hits) != 1:
-        raise EaglenestError(f"extractor fingerprint prefix {args.fingerprint!r} matches {len(hits)} of "
-                             f"{len(groups)} extractors; give a longer prefix (see `eaglenest invalidate`)")
+        raise EaglenestError(
+            f"extractor fingerprint prefix {args.fingerprint!r} matches {len(hits)} of "
+            f"{len(groups)} extractors; give a longer prefix (see `eaglenest invalidate`)"
+        )
     parts = sorted(groups[hits[0]])
     cmds = [["dvc", "repro", "--force", "--single-item", f"extract@{p}"] for p in parts]
     print(f"extractor {hits[0][:16]} made {len(parts)} part(s): {', '.join(parts)}")
@@ -84,13 +88,17 @@ def cmd_invalidate(args) -> int:
         print(("running: " if args.run else "would run: ") + " ".join(c))
         if args.run and subprocess.run(c).returncode != 0:
             raise EaglenestError(f"`{' '.join(c)}` failed; the previous versions stay in the DVC cache")
-    print("then `dvc repro` rebuilds what depends on them (pack, train, evaluate)" if args.run else
-          "add --run to do it; old versions stay in the DVC cache until `dvc gc`")
+    print(
+        "then `dvc repro` rebuilds what depends on them (pack, train, evaluate)"
+        if args.run
+        else "add --run to do it; old versions stay in the DVC cache until `dvc gc`"
+    )
     return 0
 
 
 def cmd_profile(args) -> int:
     from eaglenest import profile
+
     if not args.name:
         for p in sorted(Path(args.dir).glob("*.yaml")):
             first = next((line.lstrip("# ").strip() for line in p.read_text().splitlines() if line.startswith("#")), "")
@@ -102,15 +110,18 @@ def cmd_profile(args) -> int:
     verb = "would change" if args.dry_run else "changed"
     print(f"profile {args.name}: {verb} {len(changes)} key(s) in {args.params}")
     if not args.dry_run:
-        print(f"next: `dvc exp run -n {args.name}` (or `dvc repro`); `git checkout {args.params}` returns to the "
-              f"committed params")
+        print(
+            f"next: `dvc exp run -n {args.name}` (or `dvc repro`); `git checkout {args.params}` returns to the "
+            f"committed params"
+        )
     return 0
 
 
 @exit_on_error
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="eaglenest", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="eaglenest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="re-hash every sample of the given stores")
     v.add_argument("stores", nargs="+")
@@ -127,9 +138,12 @@ def main(argv=None) -> None:
     inv.add_argument("--run", action="store_true", help="run the dvc commands (default: only print them)")
     inv.add_argument("--root", default="data/hidden")
     inv.set_defaults(fn=cmd_invalidate)
-    pr = sub.add_parser("profile", help="apply a params profile (profiles/NAME.yaml) to params.yaml",
-                        description="A profile holds only the keys that differ from params.yaml; applying it "
-                                    "sets each of them in params.yaml (comments kept). Without NAME: list them.")
+    pr = sub.add_parser(
+        "profile",
+        help="apply a params profile (profiles/NAME.yaml) to params.yaml",
+        description="A profile holds only the keys that differ from params.yaml; applying it "
+        "sets each of them in params.yaml (comments kept). Without NAME: list them.",
+    )
     pr.add_argument("name", nargs="?")
     pr.add_argument("--dry-run", action="store_true", help="show the changes, write nothing")
     pr.add_argument("--params", default="params.yaml")

@@ -1,4 +1,5 @@
 """One exception type for bad input and failed checks, and the guard that turns it into an exit code."""
+
 import errno
 import functools
 import logging
@@ -12,26 +13,30 @@ class EaglenestError(Exception):
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
+    )
 
 
 def describe_os_error(e: OSError) -> str:
     """'<path>: <reason>' with a hint for the usual causes (permissions, a full disk)."""
     where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None) or "(no path)"
-    hint = {errno.EACCES: "check the permissions of that path and its directory",
-            errno.EPERM: "check the permissions of that path and its directory",
-            errno.EROFS: "the filesystem is read-only",
-            errno.ENOSPC: "the disk is full: free space and rerun (committed work is kept)",
-            errno.EDQUOT: "the disk quota is exhausted: free space and rerun (committed work is kept)",
-            errno.ENOTDIR: "a path component is a file where a directory is expected",
-            errno.EISDIR: "a directory is where a file is expected"}.get(e.errno, "")
+    hint = {
+        errno.EACCES: "check the permissions of that path and its directory",
+        errno.EPERM: "check the permissions of that path and its directory",
+        errno.EROFS: "the filesystem is read-only",
+        errno.ENOSPC: "the disk is full: free space and rerun (committed work is kept)",
+        errno.EDQUOT: "the disk quota is exhausted: free space and rerun (committed work is kept)",
+        errno.ENOTDIR: "a path component is a file where a directory is expected",
+        errno.EISDIR: "a directory is where a file is expected",
+    }.get(e.errno, "")
     return f"{where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
 
 def exit_on_error(fn):
     """Run a command-line main: EaglenestError, or an OSError (a path that cannot be read or
     written), -> one clear line on stderr and exit 2; never a bare traceback for those."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         setup_logging()
@@ -43,4 +48,5 @@ def exit_on_error(fn):
         except OSError as e:
             log.error("%s", describe_os_error(e))
             sys.exit(2)
+
     return wrapper

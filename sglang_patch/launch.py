@@ -14,6 +14,7 @@ and, when SGLang's CPU kernel package is not installed, puts a pure-torch stand-
 (likewise a torchvision stand-in when torchvision is absent: see sglang_patch/standins).
 Capture files (safetensors, 0600) go to --capture-dir (created 0700; default a fresh directory
 under /dev/shm or $TMPDIR); the client deletes each one after storing it."""
+
 import argparse
 import importlib.util
 import os
@@ -24,8 +25,13 @@ from pathlib import Path
 
 from .protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS, PLUGIN_NAME, SUPPORTED_SGLANG, supported
 
-ENFORCED = [("--disable-radix-cache", None), ("--chunked-prefill-size", "-1"), ("--disable-cuda-graph", None),
-            ("--pp-size", "1"), ("--skip-tokenizer-init", None)]
+ENFORCED = [
+    ("--disable-radix-cache", None),
+    ("--chunked-prefill-size", "-1"),
+    ("--disable-cuda-graph", None),
+    ("--pp-size", "1"),
+    ("--skip-tokenizer-init", None),
+]
 # SGLang's own option (argparse dest) -> (values that are fine, why anything else contradicts capture).
 # The arguments are parsed by SGLang's parser, so every spelling it accepts (an abbreviation like
 # --speculative-algo, --opt=value, an alias like --pipeline-parallel-size) is judged by its meaning.
@@ -38,17 +44,28 @@ FORBIDDEN = {
     "enable_session_radix_cache": ({False, None}, "a prefix cache: cached positions are never recomputed"),
     "enable_hierarchical_cache": ({False, None}, "a prefix cache: cached positions are never recomputed"),
     "pp_size": ({1}, "only the last pipeline stage captures aux states"),
-    "cuda_graph_backend_prefill": ({None, "disabled"}, "prefill CUDA graphs replay static buffers over the layer stack"),
+    "cuda_graph_backend_prefill": (
+        {None, "disabled"},
+        "prefill CUDA graphs replay static buffers over the layer stack",
+    ),
     "cuda_graph_config": ({None}, "may enable prefill CUDA graphs"),
     "enable_piecewise_cuda_graph": ({False, None}, "prefill CUDA graphs replay static buffers over the layer stack"),
     "enable_dp_attention": ({False, None}, "DP attention shards tokens across ranks"),
     "speculative_algorithm": ({None}, "a speculative server verifies drafts instead of running plain prefill"),
-    "skip_tokenizer_init": ({True}, "the client sends token ids; a tokenizer would re-tokenize nothing but costs a process"),
+    "skip_tokenizer_init": (
+        {True},
+        "the client sends token ids; a tokenizer would re-tokenize nothing but costs a process",
+    ),
 }
 # On CPU: the AMX attention backend needs the real kernel package; without --mem-fraction-static startup
 # fails; an idle scheduler otherwise spins a core at 100%; the KV pool would take ~30% of RAM.
-CPU_DEFAULTS = [("--attention-backend", "torch_native"), ("--mem-fraction-static", "0.3"),
-                ("--max-total-tokens", "32768"), ("--disable-overlap-schedule", None), ("--sleep-on-idle", None)]
+CPU_DEFAULTS = [
+    ("--attention-backend", "torch_native"),
+    ("--mem-fraction-static", "0.3"),
+    ("--max-total-tokens", "32768"),
+    ("--disable-overlap-schedule", None),
+    ("--sleep-on-idle", None),
+]
 STANDINS = Path(__file__).resolve().parent / "standins"
 
 
@@ -65,6 +82,7 @@ class _Parser(argparse.ArgumentParser):
 def sglang_parser() -> argparse.ArgumentParser:
     """SGLang's own command-line parser, built as `sglang.launch_server` builds it (abbreviations allowed)."""
     from sglang.srt.server_args import ServerArgs
+
     parser = _Parser(prog="sglang.launch_server")
     ServerArgs.add_cli_args(parser)
     return parser
@@ -78,7 +96,9 @@ def check_meaning(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
     """Refuse the final arguments if any option SGLang parsed means something capture cannot allow."""
     for dest, (fine, why) in FORBIDDEN.items():
         if hasattr(ns, dest) and getattr(ns, dest) not in fine:  # options this SGLang lacks cannot be given
-            raise LaunchError(f"{option_names(parser, dest)} {getattr(ns, dest)} contradicts hidden-state capture: {why}")
+            raise LaunchError(
+                f"{option_names(parser, dest)} {getattr(ns, dest)} contradicts hidden-state capture: {why}"
+            )
 
 
 def add_unless_set(parser, user: argparse.Namespace, args: list[str], defaults) -> None:
@@ -93,11 +113,15 @@ def check_version() -> str:
     try:
         v = metadata.version("sglang")
     except metadata.PackageNotFoundError:
-        raise LaunchError(f"sglang is not installed in {sys.executable} (`make sglang-env` builds .venv-sglang)")
+        raise LaunchError(
+            f"sglang is not installed in {sys.executable} (`make sglang-env` builds .venv-sglang)"
+        ) from None
     if not supported(v):
         lo, hi = (".".join(map(str, t)) for t in SUPPORTED_SGLANG)
-        raise LaunchError(f"sglang {v} is outside the supported range {lo}..{hi} (plugin hooks and "
-                          f"customized_info were checked there)")
+        raise LaunchError(
+            f"sglang {v} is outside the supported range {lo}..{hi} (plugin hooks and "
+            f"customized_info were checked there)"
+        )
     return v
 
 
@@ -108,18 +132,26 @@ def capture_dir(given: str | None) -> str:
     p = Path(given)
     p.mkdir(mode=0o700, parents=True, exist_ok=True)
     if p.stat().st_mode & 0o077:
-        raise LaunchError(f"--capture-dir {p} is accessible to group/others (mode {oct(p.stat().st_mode & 0o777)}); "
-                          f"use a fresh directory or chmod 700 it")
+        raise LaunchError(
+            f"--capture-dir {p} is accessible to group/others (mode {oct(p.stat().st_mode & 0o777)}); "
+            f"use a fresh directory or chmod 700 it"
+        )
     return str(p.resolve())
 
 
 def build(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
-    ap = argparse.ArgumentParser(prog="python -m sglang_patch.launch", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m sglang_patch.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--capture-dir", help="where capture files are written (created 0700)")
-    ap.add_argument("--capture-taps", default="auto",
-                    help="aux taps as HF hidden_states indices (input of layer j), e.g. 2,15,27; auto = [2, L//2, L-3]")
-    ap.add_argument("--rid-prefix", default=DEFAULT_RID_PREFIX, help="only requests whose rid starts with this are captured")
+    ap.add_argument(
+        "--capture-taps",
+        default="auto",
+        help="aux taps as HF hidden_states indices (input of layer j), e.g. 2,15,27; auto = [2, L//2, L-3]",
+    )
+    ap.add_argument(
+        "--rid-prefix", default=DEFAULT_RID_PREFIX, help="only requests whose rid starts with this are captured"
+    )
     ours, rest = ap.parse_known_args(argv)
     version = check_version()
     parser = sglang_parser()
@@ -143,17 +175,25 @@ def build(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
     if importlib.util.find_spec("torchvision") is None:
         standins.append("no_torchvision")
     if standins:
-        env["PYTHONPATH"] = os.pathsep.join([str(STANDINS / s) for s in standins] +
-                                            [p for p in [os.environ.get("PYTHONPATH")] if p])
-        print(f"sglang_patch.launch: using eaglenest's stand-ins {standins} (sglang_patch/standins: the real "
-              f"packages are not installed here)", file=sys.stderr)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(STANDINS / s) for s in standins] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        )
+        print(
+            f"sglang_patch.launch: using eaglenest's stand-ins {standins} (sglang_patch/standins: the real "
+            f"packages are not installed here)",
+            file=sys.stderr,
+        )
     return args, env, version
 
 
 def main(argv: list[str] | None = None) -> None:
     args, env, version = build(sys.argv[1:] if argv is None else argv)
-    print(f"sglang_patch.launch: sglang {version}; capture dir {env[ENV_DIR]}; taps {env[ENV_TAPS]}; "
-          f"server args: {' '.join(args)}", file=sys.stderr, flush=True)
+    print(
+        f"sglang_patch.launch: sglang {version}; capture dir {env[ENV_DIR]}; taps {env[ENV_TAPS]}; "
+        f"server args: {' '.join(args)}",
+        file=sys.stderr,
+        flush=True,
+    )
     os.environ.update(env)
     # exec, not a child: signals to this PID reach SGLang directly, and PYTHONPATH applies from the start.
     os.execv(sys.executable, [sys.executable, "-m", "sglang.launch_server", *args])

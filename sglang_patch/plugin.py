@@ -8,6 +8,7 @@ two hooks below reach each tensor-parallel worker without editing an installed f
      through LogitsProcessorOutput.customized_info -> meta_info["hs_capture"].
 The plugin is inert unless the launcher set EAGLENEST_CAPTURE_DIR (installing it changes nothing
 for other servers in the same environment)."""
+
 import logging
 import os
 
@@ -30,8 +31,10 @@ def check_taps(taps: list[int], num_layers: int) -> None:
     # has no residual yet and layer L's input is never reached, so taps live in [1, L-1].
     bad = [t for t in taps if not 1 <= t <= num_layers - 1]
     if bad or taps != sorted(set(taps)):
-        raise ValueError(f"capture taps {taps}: must be distinct, ascending and in [1, {num_layers - 1}] "
-                         f"for this {num_layers}-layer model (bad: {bad})")
+        raise ValueError(
+            f"capture taps {taps}: must be distinct, ascending and in [1, {num_layers - 1}] "
+            f"for this {num_layers}-layer model (bad: {bad})"
+        )
 
 
 def after_load_model(result, runner, *args, **kwargs):
@@ -59,15 +62,19 @@ def after_load_model(result, runner, *args, **kwargs):
     _state["write"] = getattr(runner, "tp_rank", 0) == 0  # states are replicated on every TP rank
     args_ = getattr(runner, "server_args", None)
     if args_ is not None and (not args_.disable_radix_cache or args_.chunked_prefill_size not in (-1, None)):
-        log.warning("eaglenest capture: radix cache or chunked prefill is ON; captures of cached or chunked "
-                    "prompts are partial (the client rejects them). Start the server with sglang_patch.launch.")
-    log.info("eaglenest capture: taps %s (HF hidden_states indices) + final post-norm state -> %s", taps,
-             os.environ[ENV_DIR])
+        log.warning(
+            "eaglenest capture: radix cache or chunked prefill is ON; captures of cached or chunked "
+            "prompts are partial (the client rejects them). Start the server with sglang_patch.launch."
+        )
+    log.info(
+        "eaglenest capture: taps %s (HF hidden_states indices) + final post-norm state -> %s", taps, os.environ[ENV_DIR]
+    )
     return result
 
 
-def around_logits_forward(original, processor, input_ids, hidden_states, lm_head, logits_metadata,
-                          aux_hidden_states=None, *args, **kwargs):
+def around_logits_forward(
+    original, processor, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None, *args, **kwargs
+):
     receipts = _capture(logits_metadata, input_ids, hidden_states, aux_hidden_states)  # before any in-place use
     out = original(processor, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states, *args, **kwargs)
     if receipts is not None:
@@ -96,6 +103,7 @@ def _capture(fb, input_ids, hidden_states, aux_hidden_states) -> list | None:
 
 def _is_prefill(fb) -> bool:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
     return isinstance(fb, ForwardBatch) and fb.forward_mode == ForwardMode.EXTEND
 
 
@@ -104,7 +112,10 @@ def register() -> None:
         log.debug("eaglenest capture: %s not set, plugin inert", ENV_DIR)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
-                          after_load_model, HookType.AFTER)
-    HookRegistry.register("sglang.srt.layers.logits_processor.LogitsProcessor.forward",
-                          around_logits_forward, HookType.AROUND)
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model", after_load_model, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.layers.logits_processor.LogitsProcessor.forward", around_logits_forward, HookType.AROUND
+    )

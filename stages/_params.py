@@ -2,6 +2,7 @@
 against `SCHEMA` (type and range of each key present, no unknown keys), so a typo or a bad value
 fails before any work with one message naming the key; keys a test or an old file leaves out are
 the stages' business."""
+
 from pathlib import Path
 
 import yaml
@@ -17,6 +18,7 @@ def _int(lo=None, hi=None):
             return "an integer"
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             return f"an integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+
     return check
 
 
@@ -26,6 +28,7 @@ def _num(lo=None, hi=None, lo_open=False):
             return "a number"
         if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
             return f"a number in {'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+
     return check
 
 
@@ -42,6 +45,7 @@ def _list(item, min_len=1, max_len=None):
         if not isinstance(v, list) or len(v) < min_len or (max_len and len(v) > max_len) or any(item(x) for x in v):
             n = f"{min_len}" + (f"..{max_len}" if max_len else "+")
             return f"a list of {n} items, each {item(0) or item('') or 'valid'}"
+
     return check
 
 
@@ -58,44 +62,103 @@ def _null(v):
 
 
 AUTO_BOOL = _either(_one_of("auto"), _bool, what="auto, true or false")
-DEVICE = _either(_one_of("auto", "cpu", "cuda"), lambda v: None if isinstance(v, str) and v.startswith("cuda:")
-                 else "x", what="auto, cpu, cuda or cuda:N")
+DEVICE = _either(
+    _one_of("auto", "cpu", "cuda"),
+    lambda v: None if isinstance(v, str) and v.startswith("cuda:") else "x",
+    what="auto, cpu, cuda or cuda:N",
+)
 DTYPE = _one_of("bfloat16", "float16", "float32")
 POS = _int(1)
 
 SCHEMA = {
     "target": {"path": _str, "dtype": DTYPE},
     "data": {"parts": _list(_str), "sharegpt": {"*": {"start": _int(0), "count": _int(1)}}},
-    "generate": {"enabled": _bool, "max_new_tokens": POS, "temperature": _num(0), "max_turns": _int(0),
-                 "seed": _int(), "dtype": DTYPE, "device": DEVICE, "batch_tokens": POS, "max_rows": POS},
+    "generate": {
+        "enabled": _bool,
+        "max_new_tokens": POS,
+        "temperature": _num(0),
+        "max_turns": _int(0),
+        "seed": _int(),
+        "dtype": DTYPE,
+        "device": DEVICE,
+        "batch_tokens": POS,
+        "max_rows": POS,
+    },
     "tokenize": {"max_seq_len": _int(8), "on_error": _one_of("fail", "skip")},
-    "extract": {"backend": _one_of("hf", "sglang"),
-                "taps": _either(_one_of("auto"), _list(_int(0), 3, 3), what="auto or three layer indices >= 0"),
-                "dtype": DTYPE, "revision": _int(0), "device": DEVICE, "batch_tokens": POS,
-                "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"), "work_dir": _str,
-                "hf": {"compile": AUTO_BOOL},
-                "sglang": {"server_url": _either(_null, _str, _list(_str), what="null, a URL or a list of URLs"),
-                           "python": _str, "server_args": _list(_either(_str, _num(), what="x"), min_len=0),
-                           "concurrency": POS, "retries": _int(0), "capture_dir": _either(_null, _str, what="null or a path"),
-                           "reserve_mb": _num(0), "request_timeout_s": _num(0, lo_open=True),
-                           "startup_timeout_s": _num(0, lo_open=True), "space_timeout_s": _num(0),
-                           "log_dir": _str}},
-    "store": {"states": _one_of("bf16", "fp8"), "codec": _one_of("zstd", "none"), "level": _int(1, 22),
-              "chunk_mb": _num(0, lo_open=True), "shard_mb": _num(0, lo_open=True)},
-    "validate": {"samples": _int(0), "seed": _int(), "min_cosine_mean": _num(-1, 1), "min_cosine_token": _num(-1, 1),
-                 "max_rel_err_mean": _num(0), "max_rel_err_token": _num(0)},
-    "pack": {"draft_vocab_size": _int(2), "val_fraction": _num(0, 0.99), "shard_mb": _num(0, lo_open=True),
-             "device": DEVICE, "workers": _either(_one_of("auto"), POS, what="auto or an integer >= 1")},
-    "train": {"epochs": POS, "lr": _num(0, lo_open=True), "warmup": _num(0, 1), "weight_decay": _num(0),
-              "grad_clip": _num(0), "ttt_steps": POS, "decay": _num(0, 1, lo_open=True), "batch_tokens": _int(16),
-              "micro_batches": POS, "seed": _int(), "autocast": _one_of("auto", "bf16", "none"), "ckpt_every": POS,
-              "device": DEVICE,
-              "attention": _one_of("auto", "eager", "flex"), "compile": AUTO_BOOL,
-              "intermediate_size": _either(_null, POS, what="null or an integer >= 1")},
-    "evaluate": {"questions": POS, "k": _either(POS, _list(POS), what="an integer >= 1 or a list of them"),
-                 "max_new_tokens": POS, "dtype": DTYPE, "device": DEVICE, "batch_size": POS,
-                 "speed_questions": _either(_null, POS, what="null or an integer >= 1"),
-                 "min_tau": _either(_null, _num(1), what="null or a number >= 1")},
+    "extract": {
+        "backend": _one_of("hf", "sglang"),
+        "taps": _either(_one_of("auto"), _list(_int(0), 3, 3), what="auto or three layer indices >= 0"),
+        "dtype": DTYPE,
+        "revision": _int(0),
+        "device": DEVICE,
+        "batch_tokens": POS,
+        "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
+        "work_dir": _str,
+        "hf": {"compile": AUTO_BOOL},
+        "sglang": {
+            "server_url": _either(_null, _str, _list(_str), what="null, a URL or a list of URLs"),
+            "python": _str,
+            "server_args": _list(_either(_str, _num(), what="x"), min_len=0),
+            "concurrency": POS,
+            "retries": _int(0),
+            "capture_dir": _either(_null, _str, what="null or a path"),
+            "reserve_mb": _num(0),
+            "request_timeout_s": _num(0, lo_open=True),
+            "startup_timeout_s": _num(0, lo_open=True),
+            "space_timeout_s": _num(0),
+            "log_dir": _str,
+        },
+    },
+    "store": {
+        "states": _one_of("bf16", "fp8"),
+        "codec": _one_of("zstd", "none"),
+        "level": _int(1, 22),
+        "chunk_mb": _num(0, lo_open=True),
+        "shard_mb": _num(0, lo_open=True),
+    },
+    "validate": {
+        "samples": _int(0),
+        "seed": _int(),
+        "min_cosine_mean": _num(-1, 1),
+        "min_cosine_token": _num(-1, 1),
+        "max_rel_err_mean": _num(0),
+        "max_rel_err_token": _num(0),
+    },
+    "pack": {
+        "draft_vocab_size": _int(2),
+        "val_fraction": _num(0, 0.99),
+        "shard_mb": _num(0, lo_open=True),
+        "device": DEVICE,
+        "workers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
+    },
+    "train": {
+        "epochs": POS,
+        "lr": _num(0, lo_open=True),
+        "warmup": _num(0, 1),
+        "weight_decay": _num(0),
+        "grad_clip": _num(0),
+        "ttt_steps": POS,
+        "decay": _num(0, 1, lo_open=True),
+        "batch_tokens": _int(16),
+        "micro_batches": POS,
+        "seed": _int(),
+        "autocast": _one_of("auto", "bf16", "none"),
+        "ckpt_every": POS,
+        "device": DEVICE,
+        "attention": _one_of("auto", "eager", "flex"),
+        "compile": AUTO_BOOL,
+        "intermediate_size": _either(_null, POS, what="null or an integer >= 1"),
+    },
+    "evaluate": {
+        "questions": POS,
+        "k": _either(POS, _list(POS), what="an integer >= 1 or a list of them"),
+        "max_new_tokens": POS,
+        "dtype": DTYPE,
+        "device": DEVICE,
+        "batch_size": POS,
+        "speed_questions": _either(_null, POS, what="null or an integer >= 1"),
+        "min_tau": _either(_null, _num(1), what="null or a number >= 1"),
+    },
 }
 
 
@@ -106,7 +169,9 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
         name = f"{where}.{key}" if where else str(key)
         rule = schema.get(key, schema.get("*"))
         if rule is None:
-            raise EaglenestError(f"{PARAMS}: unknown key `{name}` (known here: {', '.join(k for k in schema if k != '*')})")
+            raise EaglenestError(
+                f"{PARAMS}: unknown key `{name}` (known here: {', '.join(k for k in schema if k != '*')})"
+            )
         if isinstance(rule, dict):
             validate(value, rule, name)
         elif (want := rule(value)) is not None:

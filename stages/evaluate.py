@@ -12,6 +12,7 @@ named there, and warned about). The quality gate: if tau at any k is below evalu
 stage fails (exit 2) after writing the metrics, so a defective drafter (or the hidden states it
 learned from) never passes `dvc repro` quietly.
 """
+
 import argparse
 import csv
 from pathlib import Path
@@ -35,10 +36,18 @@ def main(argv=None) -> None:
     if not ks or min(ks) < 1:
         raise EaglenestError(f"evaluate.k must be a chain length >= 1 or a list of them, got {p['k']!r}")
     min_tau = p.get("min_tau")
-    metrics, per_q = evaluate(load_target(Path("data/target")), Path(args.drafter), mtbench_prompts(p["questions"]),
-                              ks, max_new_tokens=int(p["max_new_tokens"]), dtype=p.get("dtype", "float32"),
-                              device=p.get("device", "cpu"), batch_size=int(p.get("batch_size", 1)),
-                              speed_questions=p.get("speed_questions"), progress=not args.no_progress)
+    metrics, per_q = evaluate(
+        load_target(Path("data/target")),
+        Path(args.drafter),
+        mtbench_prompts(p["questions"]),
+        ks,
+        max_new_tokens=int(p["max_new_tokens"]),
+        dtype=p.get("dtype", "float32"),
+        device=p.get("device", "cpu"),
+        batch_size=int(p.get("batch_size", 1)),
+        speed_questions=p.get("speed_questions"),
+        progress=not args.no_progress,
+    )
     low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}
     metrics["min_tau"], metrics["gate_passed"] = min_tau, not low
     write_json(Path("metrics/evaluate.json"), metrics)
@@ -50,9 +59,11 @@ def main(argv=None) -> None:
                 w.writerow([k, i + 1, round(a, 5)])
     write_json(Path("metrics/evaluate_questions.json"), per_q)
     if low:
-        raise EaglenestError(f"quality gate: tau {', '.join(f'{t:.3f} at k={k}' for k, t in low.items())} below "
-                             f"evaluate.min_tau {min_tau}; the drafter (or the hidden states it was trained on) is "
-                             f"not fit to ship. Metrics: metrics/evaluate.json")
+        raise EaglenestError(
+            f"quality gate: tau {', '.join(f'{t:.3f} at k={k}' for k, t in low.items())} below "
+            f"evaluate.min_tau {min_tau}; the drafter (or the hidden states it was trained on) is "
+            f"not fit to ship. Metrics: metrics/evaluate.json"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 A crash leaves finished pieces in extract.work_dir; rerunning resumes. A failed validation gate
 writes metrics/extract/<part>.json and exits non-zero without touching data/hidden/<part>.
 """
+
 import argparse
 from pathlib import Path
 
@@ -37,18 +38,34 @@ def main(argv=None) -> None:
     name = ex.get("backend", "hf")
     states = st.get("states", "bf16")
     kw = {"states": states} if name == "hf" else {}  # hf quantizes on its device; others' states in the fill
-    backend = make_backend(name, target=target, taps=taps, dtype=ex.get("dtype", "bfloat16"),
-                           device=ex.get("device", "auto"), **kw, **(ex.get(name) or {}))
+    backend = make_backend(
+        name,
+        target=target,
+        taps=taps,
+        dtype=ex.get("dtype", "bfloat16"),
+        device=ex.get("device", "auto"),
+        **kw,
+        **(ex.get(name) or {}),
+    )
     metrics_path = Path(f"metrics/extract/{args.part}.json")
     try:
         metrics = extract_part(
-            part=args.part, tokenized=Path(f"data/tokenized/{args.part}.parquet"), target=target, backend=backend,
-            taps=taps, dtype=ex.get("dtype", "bfloat16"), revision=ex.get("revision", 0),
+            part=args.part,
+            tokenized=Path(f"data/tokenized/{args.part}.parquet"),
+            target=target,
+            backend=backend,
+            taps=taps,
+            dtype=ex.get("dtype", "bfloat16"),
+            revision=ex.get("revision", 0),
             layout_cfg={**{k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")}, "states": states},
             validate_cfg=va,
-            out_dir=Path(f"data/hidden/{args.part}"), work_root=Path(ex.get("work_dir", ".eaglenest/work")),
-            batch_tokens=int(ex.get("batch_tokens", 4096)), max_seq_len=int(params["tokenize"]["max_seq_len"]),
-            progress=not args.no_progress, writers=ex.get("writers") if ex.get("writers") != "auto" else None)
+            out_dir=Path(f"data/hidden/{args.part}"),
+            work_root=Path(ex.get("work_dir", ".eaglenest/work")),
+            batch_tokens=int(ex.get("batch_tokens", 4096)),
+            max_seq_len=int(params["tokenize"]["max_seq_len"]),
+            progress=not args.no_progress,
+            writers=ex.get("writers") if ex.get("writers") != "auto" else None,
+        )
     except GateFailed as e:
         write_json(metrics_path, e.metrics)
         raise

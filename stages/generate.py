@@ -7,6 +7,7 @@ greedy when temperature is 0, else sampled. Otherwise the part passes through un
 Writes metrics/generate/<part>.json: turns regenerated, cut at max_new_tokens or at the context
 (tokenize.max_seq_len), skipped (no room left, empty answer, past max_turns), tokens/s.
 """
+
 import argparse
 import logging
 import shutil
@@ -45,18 +46,38 @@ def main(argv=None) -> None:
     target = load_target(Path("data/target"))
     device = pick_device(p.get("device", "auto"))
     model = load_model(target, dtype=p.get("dtype", "bfloat16"), device=device)
-    kept, stats = regenerate(model, load_tokenizer(target), convs, int(p["max_new_tokens"]),
-                             float(p.get("temperature", 0.0)), int(p.get("seed", 0)), int(p.get("max_turns") or 0),
-                             int(tokenize["max_seq_len"]), int(p.get("batch_tokens", 65536)),
-                             int(p.get("max_rows", 256)), progress=not args.no_progress)
+    kept, stats = regenerate(
+        model,
+        load_tokenizer(target),
+        convs,
+        int(p["max_new_tokens"]),
+        float(p.get("temperature", 0.0)),
+        int(p.get("seed", 0)),
+        int(p.get("max_turns") or 0),
+        int(tokenize["max_seq_len"]),
+        int(p.get("batch_tokens", 65536)),
+        int(p.get("max_rows", 256)),
+        progress=not args.no_progress,
+    )
     write_jsonl(kept, out)
-    stats.update(enabled=True, device=device, dtype=p.get("dtype", "bfloat16"),
-                 temperature=float(p.get("temperature", 0.0)), wall_s=round(time.perf_counter() - t0, 2))
+    stats.update(
+        enabled=True,
+        device=device,
+        dtype=p.get("dtype", "bfloat16"),
+        temperature=float(p.get("temperature", 0.0)),
+        wall_s=round(time.perf_counter() - t0, 2),
+    )
     write_json(metrics, stats)
-    log.info("part %s: %d of %d assistant turns regenerated (%d cut at max tokens, %d skipped), %d tokens at "
-             "%.0f tok/s", args.part, stats["regenerated"], stats["assistant_turns"], stats.get("cut_at_max_tokens", 0),
-             stats.get("skipped_context", 0) + stats.get("skipped_empty", 0) + stats.get("skipped_max_turns", 0),
-             stats["generated_tokens"], stats["tokens_per_s"])
+    log.info(
+        "part %s: %d of %d assistant turns regenerated (%d cut at max tokens, %d skipped), %d tokens at %.0f tok/s",
+        args.part,
+        stats["regenerated"],
+        stats["assistant_turns"],
+        stats.get("cut_at_max_tokens", 0),
+        stats.get("skipped_context", 0) + stats.get("skipped_empty", 0) + stats.get("skipped_max_turns", 0),
+        stats["generated_tokens"],
+        stats["tokens_per_s"],
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Stage `pack`: every part's store -> draft vocabulary + train/val shards (data/packed).
 
-    python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb;
-                                untracked: pack.device, where the teacher's argmax over the vocabulary is
-                                computed, and pack.workers, processes writing shards: auto = cores, max 16)
+python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb;
+                            untracked: pack.device, where the teacher's argmax over the vocabulary is
+                            computed, and pack.workers, processes writing shards: auto = cores, max 16)
 """
+
 import argparse
 import os
 from pathlib import Path
@@ -28,10 +29,19 @@ def main(argv=None) -> None:
     params = _params.load()
     p = params["pack"]
     target = load_target(Path("data/target"))
-    metrics = pack(params["data"]["parts"], Path("data/hidden"), Path("data/tokenized"), Path("data/packed"),
-                   lm_head=load_heads(target)["lm_head"], draft_vocab_size=int(p["draft_vocab_size"]),
-                   val_fraction=float(p["val_fraction"]), shard_mb=float(p["shard_mb"]),
-                   progress=not args.no_progress, device=pick_device(p["device"]), workers=workers(p["workers"]))
+    metrics = pack(
+        params["data"]["parts"],
+        Path("data/hidden"),
+        Path("data/tokenized"),
+        Path("data/packed"),
+        lm_head=load_heads(target)["lm_head"],
+        draft_vocab_size=int(p["draft_vocab_size"]),
+        val_fraction=float(p["val_fraction"]),
+        shard_mb=float(p["shard_mb"]),
+        progress=not args.no_progress,
+        device=pick_device(p["device"]),
+        workers=workers(p["workers"]),
+    )
     write_json(Path("metrics/pack.json"), metrics)
 
 

@@ -4,6 +4,7 @@ are normalised and conversations without a user->assistant exchange are skipped 
 
     python -m stages.sharegpt <part> --start N --count N
 """
+
 import argparse
 import logging
 from pathlib import Path
@@ -28,11 +29,15 @@ def main(argv=None) -> None:
         raise EaglenestError(f"part {args.part}: start must be >= 0 and count > 0")
     convs, skipped = sharegpt_conversations(package_file(*SOURCE), args.start, args.count)
     if len(convs) < args.count:
-        raise EaglenestError(f"part {args.part}: only {len(convs)} usable conversations from {args.start} "
-                             f"(asked {args.count}); the source has fewer")
+        raise EaglenestError(
+            f"part {args.part}: only {len(convs)} usable conversations from {args.start} "
+            f"(asked {args.count}); the source has fewer"
+        )
     write_jsonl(convs, Path(f"data/parts/{args.part}.jsonl"))
-    write_json(Path(f"metrics/sharegpt/{args.part}.json"),
-               {"conversations": len(convs), "skipped_while_scanning": dict(skipped)})
+    write_json(
+        Path(f"metrics/sharegpt/{args.part}.json"),
+        {"conversations": len(convs), "skipped_while_scanning": dict(skipped)},
+    )
     log.info("part %s: %d conversations (skipped while scanning: %s)", args.part, len(convs), dict(skipped))
 
 

@@ -1,7 +1,8 @@
 """Stage `target`: materialise the target as a plain HF directory and record its fingerprint.
 
-    python -m stages.target            (params: target.path, target.dtype; out: data/target)
+python -m stages.target            (params: target.path, target.dtype; out: data/target)
 """
+
 import argparse
 from pathlib import Path
 
@@ -20,8 +21,16 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     p = _params.load("target")
     t = materialize(p["path"], Path(args.out), dtype=p.get("dtype", "bfloat16"))
-    write_json(Path(args.metrics), {"fingerprint": t.fingerprint, "num_layers": t.num_layers,
-                                    "hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "spec": t.spec})
+    write_json(
+        Path(args.metrics),
+        {
+            "fingerprint": t.fingerprint,
+            "num_layers": t.num_layers,
+            "hidden_size": t.hidden_size,
+            "vocab_size": t.vocab_size,
+            "spec": t.spec,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ tokens (derived from the rendering), truncate at max_seq_len, write Parquet.
 
     python -m stages.tokenize <part>   (params: tokenize.max_seq_len, tokenize.on_error)
 """
+
 import argparse
 import logging
 from pathlib import Path
@@ -43,11 +44,22 @@ def main(argv=None) -> None:
     tmp = out.with_name(out.name + ".tmp")
     pq.write_table(table, tmp)
     tmp.replace(out)
-    stats.update(lines=report.lines, malformed_lines=sum(report.skipped.values()),
-                 malformed_reasons=dict(report.skipped), max_seq_len=int(p["max_seq_len"]))
+    stats.update(
+        lines=report.lines,
+        malformed_lines=sum(report.skipped.values()),
+        malformed_reasons=dict(report.skipped),
+        max_seq_len=int(p["max_seq_len"]),
+    )
     write_json(Path(f"metrics/tokenize/{args.part}.json"), stats)
-    log.info("part %s: %d samples, %d tokens (%d loss), %d truncated, %d skipped", args.part, stats["samples"],
-             stats["tokens"], stats["loss_tokens"], stats["truncated"], stats["skipped"] + stats["malformed_lines"])
+    log.info(
+        "part %s: %d samples, %d tokens (%d loss), %d truncated, %d skipped",
+        args.part,
+        stats["samples"],
+        stats["tokens"],
+        stats["loss_tokens"],
+        stats["truncated"],
+        stats["skipped"] + stats["malformed_lines"],
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ params: train.* (epochs, lr, warmup, ttt_steps, batch_tokens, micro_batches, ...
 to .eaglenest/train/ (outside DVC outputs); a rerun with the same config resumes exactly.
 dvclive logs per-epoch loss, accuracy per TTT step and simulated acceptance length.
 """
+
 import argparse
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def main(argv=None) -> None:
     live = None
     if rank0 and args.stop_after_steps is None:
         from dvclive import Live
+
         live = Live("dvclive", dvcyaml=None, save_dvc_exp=False, report=None)
 
     def on_epoch(s):
@@ -54,12 +56,20 @@ def main(argv=None) -> None:
     if args.stop_after_steps is None:
         trainer.model.save_pretrained(Path(args.out))
         last = result["epochs"][-1]
-        write_json(Path(args.metrics), {
-            "epochs": len(result["epochs"]), "steps": trainer.state["global_step"],
-            "tokens_per_s": result["tokens_per_s"], "world_size": result["world_size"],
-            "train_loss": last["train"]["loss"], "val_loss": last["val"]["loss"],
-            "val_acc_per_step": last["val"]["acc_per_step"], "val_simulated_tau": last["val"]["simulated_tau"],
-            "train_simulated_tau": last["train"]["simulated_tau"]})
+        write_json(
+            Path(args.metrics),
+            {
+                "epochs": len(result["epochs"]),
+                "steps": trainer.state["global_step"],
+                "tokens_per_s": result["tokens_per_s"],
+                "world_size": result["world_size"],
+                "train_loss": last["train"]["loss"],
+                "val_loss": last["val"]["loss"],
+                "val_acc_per_step": last["val"]["acc_per_step"],
+                "val_simulated_tau": last["val"]["simulated_tau"],
+                "train_simulated_tau": last["train"]["simulated_tau"],
+            },
+        )
 
 
 if __name__ == "__main__":

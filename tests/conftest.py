@@ -1,5 +1,6 @@
 """Shared fixtures: the real SmolLM2 target (converted once, cached under .eaglenest/test-cache)
 and a tiny random Llama built from a config (no download)."""
+
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2):
     from eaglenest.target import load_tokenizer
+
     return load_tokenizer(smollm2)
 
 
@@ -43,10 +45,19 @@ def tiny_target(tmp_path_factory):
     """An 8-layer random Llama (hidden 64) saved as a HF directory, plus its target.json."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     model_dir = tmp_path_factory.mktemp("tiny") / "model"
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
     return materialize(str(model_dir), model_dir.parent / "target")
@@ -59,10 +70,17 @@ def random_samples(n, vocab, lo, hi, seed=0):
 
 def write_tokenized(path: Path, seqs, names=None) -> Path:
     import pyarrow as pa
+
     names = names or [f"s{i}" for i in range(len(seqs))]
-    table = pa.table({"id": names, "input_ids": [s.tolist() for s in seqs],
-                      "loss_mask": [[1] * len(s) for s in seqs], "n_tokens": [len(s) for s in seqs]},
-                     schema=SCHEMA)
+    table = pa.table(
+        {
+            "id": names,
+            "input_ids": [s.tolist() for s in seqs],
+            "loss_mask": [[1] * len(s) for s in seqs],
+            "n_tokens": [len(s) for s in seqs],
+        },
+        schema=SCHEMA,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
     return path
@@ -70,8 +88,7 @@ def write_tokenized(path: Path, seqs, names=None) -> Path:
 
 def run_py(args, cwd, check=True, timeout=600, env_extra=None, **kw):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    p = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=timeout, **kw)
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}")
     return p
@@ -80,14 +97,24 @@ def run_py(args, cwd, check=True, timeout=600, env_extra=None, **kw):
 def stage_workspace(root: Path, target, params: dict) -> Path:
     """A directory where `python -m stages.<x>` runs: params.yaml and data/target pointing at `target`."""
     import yaml
+
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     tdir = root / "data" / "target"
     tdir.mkdir(parents=True, exist_ok=True)
-    info = json.loads((target.model_dir.parent / "target.json").read_text()) if (
-        target.model_dir.parent / "target.json").exists() else {}
-    info.update(spec=target.spec, model_dir=str(target.model_dir), fingerprint=target.fingerprint,
-                num_layers=target.num_layers, hidden_size=target.hidden_size, vocab_size=target.vocab_size)
+    info = (
+        json.loads((target.model_dir.parent / "target.json").read_text())
+        if (target.model_dir.parent / "target.json").exists()
+        else {}
+    )
+    info.update(
+        spec=target.spec,
+        model_dir=str(target.model_dir),
+        fingerprint=target.fingerprint,
+        num_layers=target.num_layers,
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+    )
     (tdir / "target.json").write_text(json.dumps(info))
     return root
 
@@ -95,15 +122,25 @@ def stage_workspace(root: Path, target, params: dict) -> Path:
 def gate(samples: int) -> dict:
     """The validation gate's thresholds as params.yaml sets them (their one home), on `samples` samples."""
     import yaml
+
     return {**yaml.safe_load((REPO / "params.yaml").read_text())["validate"], "samples": samples}
 
 
 def base_params(**over) -> dict:
-    p = {"tokenize": {"max_seq_len": 128, "on_error": "fail"},
-         "extract": {"backend": "hf", "taps": "auto", "dtype": "bfloat16", "revision": 0, "device": "cpu",
-                     "batch_tokens": 1024, "work_dir": ".eaglenest/work"},
-         "store": {"codec": "zstd", "level": 1, "chunk_mb": 0.05, "shard_mb": 0.5},
-         "validate": gate(4)}
+    p = {
+        "tokenize": {"max_seq_len": 128, "on_error": "fail"},
+        "extract": {
+            "backend": "hf",
+            "taps": "auto",
+            "dtype": "bfloat16",
+            "revision": 0,
+            "device": "cpu",
+            "batch_tokens": 1024,
+            "work_dir": ".eaglenest/work",
+        },
+        "store": {"codec": "zstd", "level": 1, "chunk_mb": 0.05, "shard_mb": 0.5},
+        "validate": gate(4),
+    }
     for k, v in over.items():
         p[k] = {**p.get(k, {}), **v}
     return p
@@ -119,6 +156,7 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
     from eaglenest.extraction.loop import extract_part
     from eaglenest.taps import resolve_taps
     from eaglenest.target import load_heads
+
     ws = stage_workspace(root, tiny_target, base_params())
     taps = resolve_taps("auto", tiny_target.num_layers)
     rng = np.random.default_rng(7)
@@ -128,18 +166,45 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
         names = [f"{part}{i}" for i in range(len(seqs))]
         tok = ws / "data" / "tokenized" / f"{part}.parquet"
         tok.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table({"id": names, "input_ids": [s.tolist() for s in seqs],
-                                 "loss_mask": [m.tolist() for m in masks], "n_tokens": [len(s) for s in seqs]},
-                                schema=SCHEMA), tok)
-        extract_part(part=part, tokenized=tok, target=tiny_target,
-                     backend=HFBackend(tiny_target, taps, device="cpu", states=states), taps=taps,
-                     dtype="bfloat16", revision=0,
-                     layout_cfg=dict(chunk_mb=0.01, shard_mb=0.1, codec="zstd", level=1, states=states),
-                     validate_cfg=gate(2), out_dir=ws / "data" / "hidden" / part,
-                     work_root=ws / ".eaglenest" / "work", batch_tokens=512, max_seq_len=64, progress=False)
-    pack(["a", "b"], ws / "data" / "hidden", ws / "data" / "tokenized", ws / "data" / "packed",
-         lm_head=load_heads(tiny_target)["lm_head"], draft_vocab_size=48, val_fraction=0.15, shard_mb=0.05,
-         progress=False)
+        pq.write_table(
+            pa.table(
+                {
+                    "id": names,
+                    "input_ids": [s.tolist() for s in seqs],
+                    "loss_mask": [m.tolist() for m in masks],
+                    "n_tokens": [len(s) for s in seqs],
+                },
+                schema=SCHEMA,
+            ),
+            tok,
+        )
+        extract_part(
+            part=part,
+            tokenized=tok,
+            target=tiny_target,
+            backend=HFBackend(tiny_target, taps, device="cpu", states=states),
+            taps=taps,
+            dtype="bfloat16",
+            revision=0,
+            layout_cfg=dict(chunk_mb=0.01, shard_mb=0.1, codec="zstd", level=1, states=states),
+            validate_cfg=gate(2),
+            out_dir=ws / "data" / "hidden" / part,
+            work_root=ws / ".eaglenest" / "work",
+            batch_tokens=512,
+            max_seq_len=64,
+            progress=False,
+        )
+    pack(
+        ["a", "b"],
+        ws / "data" / "hidden",
+        ws / "data" / "tokenized",
+        ws / "data" / "packed",
+        lm_head=load_heads(tiny_target)["lm_head"],
+        draft_vocab_size=48,
+        val_fraction=0.15,
+        shard_mb=0.05,
+        progress=False,
+    )
     return ws
 
 
@@ -149,18 +214,38 @@ def tiny_packed(tiny_target, tmp_path_factory):
 
 
 def train_params(**over) -> dict:
-    t = {"epochs": 2, "lr": 0.003, "warmup": 0.1, "weight_decay": 0.0, "grad_clip": 0.5, "ttt_steps": 3,
-         "decay": 0.8, "batch_tokens": 240, "micro_batches": 2, "seed": 0, "autocast": "none", "ckpt_every": 1,
-         "device": "cpu", "attention": "auto", "compile": "auto", "intermediate_size": None}
+    t = {
+        "epochs": 2,
+        "lr": 0.003,
+        "warmup": 0.1,
+        "weight_decay": 0.0,
+        "grad_clip": 0.5,
+        "ttt_steps": 3,
+        "decay": 0.8,
+        "batch_tokens": 240,
+        "micro_batches": 2,
+        "seed": 0,
+        "autocast": "none",
+        "ckpt_every": 1,
+        "device": "cpu",
+        "attention": "auto",
+        "compile": "auto",
+        "intermediate_size": None,
+    }
     t.update(over)
     return t
 
 
 # --- real DVC pipelines in fresh clones ---------------------------------------------------------
 
+
 def sh(cmd, cwd, check=True, timeout=900, env_extra=None):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
-           **(env_extra or {})}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONUNBUFFERED": "1",
+        **(env_extra or {}),
+    }
     p = subprocess.run(cmd, cwd=cwd, env=env, shell=True, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -169,9 +254,12 @@ def sh(cmd, cwd, check=True, timeout=900, env_extra=None):
 
 def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4) -> dict:
     import yaml
+
     p = yaml.safe_load((REPO / "params.yaml").read_text())
-    p["data"] = {"parts": list(parts),
-                 "sharegpt": {name: {"start": i * per_part, "count": per_part} for i, name in enumerate(parts)}}
+    p["data"] = {
+        "parts": list(parts),
+        "sharegpt": {name: {"start": i * per_part, "count": per_part} for i, name in enumerate(parts)},
+    }
     p["tokenize"]["max_seq_len"] = 192
     p["store"].update(chunk_mb=0.1, shard_mb=1)
     p["validate"]["samples"] = 2
@@ -183,13 +271,19 @@ def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4) -> dict:
 
 def write_params(repo: Path, params: dict) -> None:
     import yaml
+
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def make_clone(root: Path, params: dict) -> Path:
     """A fresh repository holding the committed files of this one, with the given params."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     for f in filter(None, files):
         src = REPO / f
         if src.is_file() and not f.startswith(("data/", "metrics/", "bench/")) and f != "dvc.lock":
@@ -207,4 +301,5 @@ def commit(repo: Path, msg: str) -> None:
 def ran(stdout: str) -> set[str]:
     """Stages DVC ran, from its own output."""
     import re
+
     return set(re.findall(r"Running stage '([^']+)'", stdout))

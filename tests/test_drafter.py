@@ -1,4 +1,5 @@
 """Drafter: shapes, serving format, TTT against a naive recomputation, vocab mapping."""
+
 import json
 
 import numpy as np
@@ -11,9 +12,18 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from eaglenest.data.vocab import build_vocab
 from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
 
-TARGET_CFG = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 16, "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-              "max_position_embeddings": 256, "vocab_size": 300, "num_hidden_layers": 8}
+TARGET_CFG = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 256,
+    "vocab_size": 300,
+    "num_hidden_layers": 8,
+}
 
 
 def make_drafter(vd=40, taps=(2, 4, 5), seed=0):
@@ -37,6 +47,7 @@ def test_export_is_byte_for_byte_the_recorded_serving_format(tmp_path, name):
     """tests/data/drafter_export holds exports written by the drafter code of 2026-12 (the format
     SGLang and vLLM were checked against): loading one and saving it again gives the same bytes."""
     from pathlib import Path
+
     golden = Path(__file__).parent / "data" / "drafter_export" / name
     Eagle3Drafter.from_pretrained(golden).save_pretrained(tmp_path)
     for f in ("config.json", "model.safetensors"):
@@ -61,13 +72,23 @@ def test_export_format_and_bit_exact_round_trip(tmp_path):
     # default taps [2, L//2, L-3] = [2, 4, 5] for L=8: no layer ids written
     assert "eagle_config" not in cfg and "eagle_aux_hidden_state_layer_ids" not in cfg
     w = load_file(str(tmp_path / "model.safetensors"))
-    expect = {"fc.weight": (64, 192), "midlayer.self_attn.q_proj.weight": (64, 128),
-              "midlayer.self_attn.k_proj.weight": (32, 128), "midlayer.self_attn.v_proj.weight": (32, 128),
-              "midlayer.self_attn.o_proj.weight": (64, 64), "midlayer.mlp.gate_proj.weight": (96, 64),
-              "midlayer.mlp.up_proj.weight": (96, 64), "midlayer.mlp.down_proj.weight": (64, 96),
-              "midlayer.hidden_norm.weight": (64,), "midlayer.input_layernorm.weight": (64,),
-              "midlayer.post_attention_layernorm.weight": (64,), "norm.weight": (64,), "lm_head.weight": (40, 64),
-              "d2t": (40,), "t2d": (300,)}
+    expect = {
+        "fc.weight": (64, 192),
+        "midlayer.self_attn.q_proj.weight": (64, 128),
+        "midlayer.self_attn.k_proj.weight": (32, 128),
+        "midlayer.self_attn.v_proj.weight": (32, 128),
+        "midlayer.self_attn.o_proj.weight": (64, 64),
+        "midlayer.mlp.gate_proj.weight": (96, 64),
+        "midlayer.mlp.up_proj.weight": (96, 64),
+        "midlayer.mlp.down_proj.weight": (64, 96),
+        "midlayer.hidden_norm.weight": (64,),
+        "midlayer.input_layernorm.weight": (64,),
+        "midlayer.post_attention_layernorm.weight": (64,),
+        "norm.weight": (64,),
+        "lm_head.weight": (40, 64),
+        "d2t": (40,),
+        "t2d": (300,),
+    }
     assert {k: tuple(v.shape) for k, v in w.items()} == expect
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
     assert not any("embed" in k for k in w)
@@ -81,7 +102,7 @@ def test_custom_taps_written_per_engine_convention(tmp_path):
     make_drafter(taps=(1, 3, 6)).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]  # SGLang: output of layer v
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]                  # vLLM: input of layer v
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # vLLM: input of layer v
 
 
 def naive_layer(d: Eagle3Drafter, xs, embs, positions):
@@ -111,11 +132,15 @@ def test_ttt_unroll_equals_naive_recomputation():
     g = d.project(aux)[0]
     for t in range(T - K):
         # step-0 cells 0..t, then cell t's chain: each entry feeds the previous entry's output
-        xs, es, pos = list(g[:t + 1]), [emb(ids[0, s + 1]) for s in range(t + 1)], list(range(t + 1))
+        xs, es, pos = list(g[: t + 1]), [emb(ids[0, s + 1]) for s in range(t + 1)], list(range(t + 1))
         for k in range(K):
             h = naive_layer(d, torch.stack(xs), torch.stack(es), pos)[-1]
             # RoPE tables are float32 inside transformers: 1e-5, not 1e-12; a mask or position bug is O(1)
-            assert torch.allclose(d.logits(h), ttt[k][0, t], atol=1e-5), (t, k, (d.logits(h) - ttt[k][0, t]).abs().max())
+            assert torch.allclose(d.logits(h), ttt[k][0, t], atol=1e-5), (
+                t,
+                k,
+                (d.logits(h) - ttt[k][0, t]).abs().max(),
+            )
             xs.append(h)
             es.append(emb(ids[0, t + 2 + k]) if t + 2 + k < T else emb(torch.tensor(0)))
             pos.append(t + 1 + k)
@@ -136,10 +161,13 @@ def test_vocab_mapping():
 
 def _loss_batch(B=2, T=24, seed=3):
     g = torch.Generator().manual_seed(seed)
-    return {"aux": torch.randn(B, T, 3, 64, generator=g), "final": torch.randn(B, T, 64, generator=g),
-            "input_ids": torch.randint(0, 300, (B, T), generator=g),
-            "loss_mask": (torch.rand(B, T, generator=g) > 0.2).long(),
-            "in_vocab": (torch.rand(B, T, generator=g) > 0.1).long()}
+    return {
+        "aux": torch.randn(B, T, 3, 64, generator=g),
+        "final": torch.randn(B, T, 64, generator=g),
+        "input_ids": torch.randint(0, 300, (B, T), generator=g),
+        "loss_mask": (torch.rand(B, T, generator=g) > 0.2).long(),
+        "in_vocab": (torch.rand(B, T, generator=g) > 0.1).long(),
+    }
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -147,6 +175,7 @@ def test_fused_loss_head_equals_plain_loss(autocast):
     """The fused head (gradients formed in the forward, chunked, teacher in one padded buffer) gives
     the plain loss, stats and gradients: fp32 exactly up to summation order; bf16 autocast within bf16."""
     from eaglenest.drafter.ttt import ttt_loss
+
     batch, emb = _loss_batch(), torch.nn.Embedding(300, 64)
     head = torch.randn(40, 64) * 0.3
     results = []

@@ -1,5 +1,6 @@
 """Batched speculative decoding (the GPU evaluation path) against the batch-1 decoder, and the
 evaluate stage's quality gate on the real target."""
+
 import json
 
 import pytest
@@ -27,13 +28,15 @@ def prompts(seed, n=5):
 def oracle(truth: dict, k: int, vocab: int = 200):
     """Drafts right up to a cut that depends only on (prompt, position): the batch-1 and batched
     decoders see the same drafts, so their accepted counts must agree exactly."""
+
     def cut(key, n):
         return (hash((key, n)) & 0xFFFF) % (k + 1)
 
     def one(prompt_key, out_len):
-        t = (truth[prompt_key] + [0] * (k + 1))[out_len:out_len + k]
+        t = (truth[prompt_key] + [0] * (k + 1))[out_len : out_len + k]
         c = cut(prompt_key, out_len)
         return t[:c] + [(x + 1) % vocab for x in t[c:]]
+
     return one
 
 
@@ -64,12 +67,30 @@ def test_batched_greedy_and_speculative_equal_batch1(tiny_target, tiny_fp32, see
     # an oracle that accepts every length 0..k: rows advance by different amounts each step
     truth = {tuple(p): t for p, t in zip(ps, ref)}
     o = oracle(truth, 3)
-    rows = bs.decode(tiny_fp32, TAPS, ps, 20, {2}, k=3, drafter=drafter, embed=embed,
-                     draft_fn=lambda d, e, rs, k: torch.tensor(
-                         [o(tuple(r.seq[:len(r.seq) - len(r.out)]), len(r.out)) for r in rs]))
-    one = [speculative_decode(runner, drafter, embed, p, 20, {2}, 3,
-                              draft_fn=lambda d, e, f, toks, k, p=p: o(tuple(p), len(toks) - len(p)))
-           for p in ps]
+    rows = bs.decode(
+        tiny_fp32,
+        TAPS,
+        ps,
+        20,
+        {2},
+        k=3,
+        drafter=drafter,
+        embed=embed,
+        draft_fn=lambda d, e, rs, k: torch.tensor([o(tuple(r.seq[: len(r.seq) - len(r.out)]), len(r.out)) for r in rs]),
+    )
+    one = [
+        speculative_decode(
+            runner,
+            drafter,
+            embed,
+            p,
+            20,
+            {2},
+            3,
+            draft_fn=lambda d, e, f, toks, k, p=p: o(tuple(p), len(toks) - len(p)),
+        )
+        for p in ps
+    ]
     assert [r.out for r in rows] == ref
     assert [r.accepted for r in rows] == [s.accepted for s in one]
     assert len({a for r in rows for a in r.accepted}) == 4  # 0..3 all happened
@@ -77,9 +98,23 @@ def test_batched_greedy_and_speculative_equal_batch1(tiny_target, tiny_fp32, see
 
 def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_path):
     from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
-    ws = stage_workspace(tmp_path / "ws", smollm2, {"evaluate": {
-        "questions": 3, "k": [2, 3], "max_new_tokens": 8, "dtype": "float32", "device": "cpu", "batch_size": 3,
-        "speed_questions": 1, "min_tau": 1.5}})
+
+    ws = stage_workspace(
+        tmp_path / "ws",
+        smollm2,
+        {
+            "evaluate": {
+                "questions": 3,
+                "k": [2, 3],
+                "max_new_tokens": 8,
+                "dtype": "float32",
+                "device": "cpu",
+                "batch_size": 3,
+                "speed_questions": 1,
+                "min_tau": 1.5,
+            }
+        },
+    )
     cfg = json.loads((smollm2.model_dir / "config.json").read_text())
     torch.manual_seed(0)
     d = Eagle3Drafter(DrafterConfig.from_target(cfg, 256, [2, 15, 27]))

@@ -1,4 +1,5 @@
 """Extraction: padding leaks, the validation gate against injected defects, crash + resume."""
+
 import json
 import os
 import signal
@@ -47,6 +48,7 @@ def test_compiled_backend_equals_eager(tiny_target):
     beyond float reordering, for any batch shape, with one set of graphs for all layers and shapes
     (a per-layer or per-shape recompile would show as more graphs), and a bad value is refused."""
     from torch._dynamo.utils import counters
+
     taps = resolve_taps("auto", tiny_target.num_layers)
     assert HFBackend(tiny_target, taps, device="cpu").compile is False  # auto: CUDA only
     with pytest.raises(EaglenestError, match="extract.hf.compile must be"):
@@ -55,12 +57,14 @@ def test_compiled_backend_equals_eager(tiny_target):
     comp = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=True)
     counters.clear()
     graphs = []
-    for seqs in (random_samples(3, tiny_target.vocab_size, 3, 40, seed=4), random_samples(1, tiny_target.vocab_size,
-                                                                                          50, 70, seed=5)):
+    for seqs in (
+        random_samples(3, tiny_target.vocab_size, 3, 40, seed=4),
+        random_samples(1, tiny_target.vocab_size, 50, 70, seed=5),
+    ):
         for (a, f), (a1, f1) in zip(eager.extract(seqs), comp.extract(seqs)):
             cos, rel = token_stats(torch.cat([a.flatten(0, 1), f]).float(), torch.cat([a1.flatten(0, 1), f1]).float())
             # fp32 compute, stored as bf16: at most a rounding flip (one bf16 ulp = 2^-8 relative)
-            assert cos.min() >= 0.99999 and rel.max() <= 2 ** -7, (cos.min(), rel.max())
+            assert cos.min() >= 0.99999 and rel.max() <= 2**-7, (cos.min(), rel.max())
         graphs.append(counters["stats"]["unique_graphs"])
     compiled = [m for m in comp.decoder.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert [type(m).__name__ for m in compiled] == ["LlamaDecoderLayer"] * tiny_target.num_layers, compiled
@@ -82,8 +86,10 @@ def test_tap_ids_out_of_range():
 
 # --- injected defects: each must fail the gate and commit nothing -------------------------------
 
+
 class OffByOneTap(HFBackend):
     """Captures the residual stream one layer too late (the SGLang id-vs-index confusion)."""
+
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.taps = [t + 1 for t in self.taps]
@@ -91,6 +97,7 @@ class OffByOneTap(HFBackend):
 
 class PreNormFinal(HFBackend):
     """Stores the last layer's output BEFORE the final norm as `final`."""
+
     def extract_async(self, batch):
         if self.decoder is None:
             self.load()
@@ -101,19 +108,21 @@ class PreNormFinal(HFBackend):
         finally:
             h.remove()
         pre = grabbed["x"].to(torch.bfloat16).cpu()
-        return lambda: [(a, pre[b, :len(x)]) for b, ((a, _), x) in enumerate(zip(wait(), batch))]
+        return lambda: [(a, pre[b, : len(x)]) for b, ((a, _), x) in enumerate(zip(wait(), batch))]
 
 
 class DroppedFirstPosition(HFBackend):
     """Loses the first position and shifts the rest forward (padding the end), as a capture that
     misses the first token would."""
+
     def extract_async(self, batch):
         wait = super().extract_async(batch)
         return lambda: [(torch.cat([a[1:], a[-1:]]), torch.cat([f[1:], f[-1:]])) for a, f in wait()]
 
 
-@pytest.mark.parametrize("defect, tap", [(OffByOneTap, "aux_"), (PreNormFinal, "final"),
-                                         (DroppedFirstPosition, "aux_")])
+@pytest.mark.parametrize(
+    "defect, tap", [(OffByOneTap, "aux_"), (PreNormFinal, "final"), (DroppedFirstPosition, "aux_")]
+)
 def test_gate_rejects_injected_defects(smollm2, tmp_path, defect, tap):
     taps = resolve_taps("auto", smollm2.num_layers)
     seqs = random_samples(6, 20000, 20, 80, seed=3)
@@ -121,10 +130,23 @@ def test_gate_rejects_injected_defects(smollm2, tmp_path, defect, tap):
     out = tmp_path / "hidden" / "p"
     shm = set(os.listdir("/dev/shm"))
     with pytest.raises(GateFailed) as e:  # writer processes: piece buffers in shared memory
-        extract_part(part="p", tokenized=tok, target=smollm2, backend=defect(smollm2, taps, device="cpu"), taps=taps,
-                     dtype="bfloat16", revision=0, layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1),
-                     validate_cfg=gate(4), out_dir=out, work_root=tmp_path / "work", batch_tokens=512,
-                     max_seq_len=128, progress=False, writers=2)
+        extract_part(
+            part="p",
+            tokenized=tok,
+            target=smollm2,
+            backend=defect(smollm2, taps, device="cpu"),
+            taps=taps,
+            dtype="bfloat16",
+            revision=0,
+            layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1),
+            validate_cfg=gate(4),
+            out_dir=out,
+            work_root=tmp_path / "work",
+            batch_tokens=512,
+            max_seq_len=128,
+            progress=False,
+            writers=2,
+        )
     assert not out.exists(), "a failed gate must commit nothing"
     assert set(os.listdir("/dev/shm")) - shm == set(), "the piece buffers are freed on failure too"
     m = e.value.metrics
@@ -136,6 +158,7 @@ def test_reference_model_is_freed_after_the_gate(tiny_target):
     waiting for the cyclic GC: a process extracting several parts ran out of GPU memory on the 4th."""
     import gc
     import weakref
+
     gc.disable()
     try:
         with Reference(tiny_target, resolve_taps("auto", tiny_target.num_layers)) as ref:
@@ -150,16 +173,30 @@ def test_reference_model_is_freed_after_the_gate(tiny_target):
 def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
     taps = resolve_taps("auto", smollm2.num_layers)
     tok = write_tokenized(tmp_path / "p.parquet", random_samples(6, 20000, 20, 80, seed=3))
-    m = extract_part(part="p", tokenized=tok, target=smollm2, backend=HFBackend(smollm2, taps, device="cpu"),
-                     taps=taps, dtype="bfloat16", revision=0,
-                     layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1), validate_cfg=gate(4),
-                     out_dir=tmp_path / "hidden" / "p", work_root=tmp_path / "work", batch_tokens=512,
-                     max_seq_len=128, progress=False)
+    m = extract_part(
+        part="p",
+        tokenized=tok,
+        target=smollm2,
+        backend=HFBackend(smollm2, taps, device="cpu"),
+        taps=taps,
+        dtype="bfloat16",
+        revision=0,
+        layout_cfg=dict(chunk_mb=0.1, shard_mb=1, codec="zstd", level=1),
+        validate_cfg=gate(4),
+        out_dir=tmp_path / "hidden" / "p",
+        work_root=tmp_path / "work",
+        batch_tokens=512,
+        max_seq_len=128,
+        progress=False,
+    )
     v = m["validation"]
     assert v["passed"] and v["lm_head_logits_cosine"]["min"] > 0.98
     for k in taps:  # the adjacent tap is far below the threshold the real tap clears
-        assert v["taps"][f"aux_{k}"]["cosine_mean"] > v["thresholds"]["min_cosine_mean"] > \
-            v["margin"][f"aux_{k}_vs_adjacent_{k + 1}"]["cosine_mean"]
+        assert (
+            v["taps"][f"aux_{k}"]["cosine_mean"]
+            > v["thresholds"]["min_cosine_mean"]
+            > v["margin"][f"aux_{k}_vs_adjacent_{k + 1}"]["cosine_mean"]
+        )
 
 
 def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
@@ -170,11 +207,23 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
     before = set(os.listdir("/dev/shm"))
     index = {}
     for writers in (1, 3):
-        m = extract_part(part="p", tokenized=tok, target=tiny_target, backend=HFBackend(tiny_target, taps, device="cpu"),
-                     taps=taps, dtype="float32", revision=0,
-                     layout_cfg=dict(chunk_mb=0.005, shard_mb=0.02, codec="zstd", level=1),
-                     validate_cfg=gate(2), out_dir=tmp_path / f"w{writers}", work_root=tmp_path / "work",
-                     batch_tokens=256, max_seq_len=64, progress=False, writers=writers)
+        m = extract_part(
+            part="p",
+            tokenized=tok,
+            target=tiny_target,
+            backend=HFBackend(tiny_target, taps, device="cpu"),
+            taps=taps,
+            dtype="float32",
+            revision=0,
+            layout_cfg=dict(chunk_mb=0.005, shard_mb=0.02, codec="zstd", level=1),
+            validate_cfg=gate(2),
+            out_dir=tmp_path / f"w{writers}",
+            work_root=tmp_path / "work",
+            batch_tokens=256,
+            max_seq_len=64,
+            progress=False,
+            writers=writers,
+        )
         store = HiddenStore(tmp_path / f"w{writers}")
         assert verify_store(store.path, progress=False) == []
         # the host-path report accounts for every piece the writers handled
@@ -189,7 +238,7 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
         a = store.arrays
         free = np.ones(a["input_ids"].shape[0], dtype=bool)
         for r in store.index:
-            free[r["start"]:r["start"] + r["length"]] = False
+            free[r["start"] : r["start"] + r["length"]] = False
         assert free.any() and (a["input_ids"][:][free] == -1).all()
         assert not a["aux"][:][free].any() and not a["final"][:][free].any()
     assert index[1] == index[3] and HiddenStore(tmp_path / "w3").attrs["layout"]["shard_tokens"] < 200
@@ -197,6 +246,7 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
 
 
 # --- crash safety --------------------------------------------------------------------------------
+
 
 def _workspace(root, target, seqs):
     ws = stage_workspace(root, target, base_params(store={"chunk_mb": 0.02, "shard_mb": 0.5}))
@@ -208,8 +258,13 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(smollm2, tmp_path):
     seqs = random_samples(24, 20000, 90, 128, seed=4)  # one sample per piece: 24 pieces
     ws = _workspace(tmp_path / "a", smollm2, seqs)
     env_cmd = [sys.executable, "-m", "stages.extract", "p", "--no-progress"]
-    proc = subprocess.Popen(env_cmd, cwd=ws, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        env_cmd,
+        cwd=ws,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     manifests = []
     deadline = time.time() + 300
     while time.time() < deadline and len(manifests) < 5:
@@ -240,9 +295,11 @@ def test_write_failure_is_clear_and_keeps_committed_pieces(smollm2, tmp_path):
     seqs = random_samples(6, 20000, 90, 128, seed=5)
     ws = _workspace(tmp_path / "a", smollm2, seqs)
     # RLIMIT_FSIZE below one shard: the first shard write fails with EFBIG
-    code = ("import resource, runpy, sys, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000));"
-            "sys.argv=['x','p','--no-progress']; runpy.run_module('stages.extract', run_name='__main__')")
+    code = (
+        "import resource, runpy, sys, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000));"
+        "sys.argv=['x','p','--no-progress']; runpy.run_module('stages.extract', run_name='__main__')"
+    )
     p = run_py(["-c", code], cwd=ws, check=False)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "writing piece" in p.stderr and "File too large" in p.stderr

@@ -1,4 +1,5 @@
 """Faults: SIGKILL at 20 random points of an extraction, flipped bytes anywhere in a store."""
+
 import random
 import shutil
 import signal
@@ -25,8 +26,13 @@ def test_twenty_random_sigkills_then_resume(smollm2, tmp_path):
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     kills = 0
     while kills < 20:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.extract", "p", "--no-progress"], cwd=ws, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.extract", "p", "--no-progress"],
+            cwd=ws,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(rng.uniform(0.2, 4.0))  # anywhere: imports, model load, forward, zarr write, manifest
         if proc.poll() is not None:
             break  # it finished before this kill

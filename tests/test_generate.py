@@ -1,6 +1,7 @@
 """Self-distillation on the real target: every assistant turn regenerated given the regenerated
 conversation so far, batched decoding equal to transformers' own greedy `generate`, and every turn
 accounted for (regenerated, cut, skipped)."""
+
 import json
 
 import pytest
@@ -15,17 +16,32 @@ from eaglenest.target import load_model, stop_ids
 from .conftest import run_py, stage_workspace
 
 CONVS = [
-    {"id": "a", "messages": [{"role": "user", "content": "Name a fruit."},
-                             {"role": "assistant", "content": "old 1"},
-                             {"role": "user", "content": "And a vegetable?"},
-                             {"role": "assistant", "content": "old 2"}]},
-    {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
-                             {"role": "user", "content": "What is 2+2?"},
-                             {"role": "assistant", "content": "old"}]},
-    {"id": "c", "messages": [{"role": "user", "content": "Write a long story about a dragon. " * 8},
-                             {"role": "assistant", "content": "old"},
-                             {"role": "user", "content": "Shorter, please."},
-                             {"role": "assistant", "content": "old"}]},
+    {
+        "id": "a",
+        "messages": [
+            {"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "old 1"},
+            {"role": "user", "content": "And a vegetable?"},
+            {"role": "assistant", "content": "old 2"},
+        ],
+    },
+    {
+        "id": "b",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "old"},
+        ],
+    },
+    {
+        "id": "c",
+        "messages": [
+            {"role": "user", "content": "Write a long story about a dragon. " * 8},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "Shorter, please."},
+            {"role": "assistant", "content": "old"},
+        ],
+    },
 ]
 
 
@@ -35,17 +51,22 @@ def fp32(smollm2):
 
 
 def hf_greedy(model, tok, messages, max_new):
-    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(stop_ids(model, tok)),
-                         pad_token_id=0)[0, ids.shape[1]:].tolist()
+    ids = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+        return_tensors="pt",
+    )["input_ids"]
+    out = model.generate(
+        ids, max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(stop_ids(model, tok)), pad_token_id=0
+    )[0, ids.shape[1] :].tolist()
     return tok.decode([t for t in out if t not in stop_ids(model, tok)], skip_special_tokens=True)
 
 
 def test_every_turn_regenerated_on_the_regenerated_history(fp32, smollm2_tokenizer):
     tok = smollm2_tokenizer
-    out, st = regenerate(fp32, tok, CONVS, max_new_tokens=10, max_seq_len=120, batch_tokens=2000, max_rows=2,
-                         progress=False)
+    out, st = regenerate(
+        fp32, tok, CONVS, max_new_tokens=10, max_seq_len=120, batch_tokens=2000, max_rows=2, progress=False
+    )
     assert st["assistant_turns"] == 5
     assert st["regenerated"] + st.get("skipped_context", 0) + st.get("skipped_empty", 0) == 5
     assert st["skipped_context"] >= 1  # conversation c's second turn no longer fits in 120 tokens
@@ -61,14 +82,17 @@ def test_every_turn_regenerated_on_the_regenerated_history(fp32, smollm2_tokeniz
     a = next(c for c in out if c["id"] == "a")
     assert len(a["messages"]) == 4 and a["messages"][2]["content"] == "And a vegetable?"
     one, st1 = regenerate(fp32, tok, CONVS, max_new_tokens=10, max_turns=1, progress=False)
-    assert st1["skipped_max_turns"] == 2 and all(len([m for m in c["messages"] if m["role"] == "assistant"]) == 1
-                                                for c in one)
+    assert st1["skipped_max_turns"] == 2 and all(
+        len([m for m in c["messages"] if m["role"] == "assistant"]) == 1 for c in one
+    )
 
 
 def test_batched_decoding_equals_one_by_one_and_plans_within_budget(fp32, smollm2_tokenizer):
     tok = smollm2_tokenizer
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
-               ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]]
+    prompts = [
+        tok(t, add_special_tokens=False)["input_ids"]
+        for t in ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]
+    ]
     eos = stop_ids(fp32, tok)
     limits = [9, 4, 12, 7]
     batched = decode_all(fp32, prompts, limits, eos, 0, batch_tokens=4096, max_rows=4)
@@ -90,8 +114,10 @@ def test_static_decoder_steps_equal_the_transformers_forward(fp32, smollm2_token
     forward: logits of prefill and every step, and whole batches with rows dropped as they finish."""
     tok = smollm2_tokenizer
     assert supports(fp32)
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
-               ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]]
+    prompts = [
+        tok(t, add_special_tokens=False)["input_ids"]
+        for t in ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]
+    ]
     ids, attn = left_pad(prompts, 0, "cpu")
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     hf, st = HFStepper(fp32, ids.shape[1] + 6), StaticDecoder(fp32, len(prompts), ids.shape[1] + 6)
@@ -108,16 +134,31 @@ def test_static_decoder_steps_equal_the_transformers_forward(fp32, smollm2_token
     ref = decode_batch(fp32, prompts, limits, eos, 0)
     monkeypatch.setattr(batch_decode, "SHRINK", 1)  # drop rows at every look, as the HF path does
     monkeypatch.setattr(batch_decode, "CHECK_EVERY", 2)
-    static = decode_batch(fp32, prompts, limits, eos, 0,
-                          stepper=StaticDecoder(fp32, len(prompts), ids.shape[1] + max(limits)))
+    static = decode_batch(
+        fp32, prompts, limits, eos, 0, stepper=StaticDecoder(fp32, len(prompts), ids.shape[1] + max(limits))
+    )
     assert [d.tokens for d in static] == [d.tokens for d in ref]
 
 
 def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):
-    ws = stage_workspace(tmp_path / "ws", smollm2, {
-        "generate": {"enabled": True, "max_new_tokens": 6, "temperature": 0.0, "max_turns": 0, "seed": 0,
-                     "dtype": "float32", "device": "cpu", "batch_tokens": 4096, "max_rows": 8},
-        "tokenize": {"max_seq_len": 256, "on_error": "fail"}})
+    ws = stage_workspace(
+        tmp_path / "ws",
+        smollm2,
+        {
+            "generate": {
+                "enabled": True,
+                "max_new_tokens": 6,
+                "temperature": 0.0,
+                "max_turns": 0,
+                "seed": 0,
+                "dtype": "float32",
+                "device": "cpu",
+                "batch_tokens": 4096,
+                "max_rows": 8,
+            },
+            "tokenize": {"max_seq_len": 256, "on_error": "fail"},
+        },
+    )
     (ws / "data/parts").mkdir(parents=True)
     (ws / "data/parts/p.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVS))
     run_py(["-m", "stages.generate", "p", "--no-progress"], cwd=ws)

@@ -1,6 +1,7 @@
 """A hostile or broken server on 127.0.0.1 (a real HTTP server answering what a real SGLang server
 never would): the client reads and deletes nothing outside its capture dir, and every malformed
 answer ends in a named failure, not a traceback."""
+
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,15 +45,21 @@ class FakeServer:
 
 
 def receipt(body, path, **over):
-    rc = {"path": path, "n_positions": len(body["input_ids"]), "prefix_len": 0, "taps": TAPS,
-          "capture_version": CAPTURE_VERSION, **over}
-    return json.dumps({"meta_info": {"cached_tokens": 0, "prompt_tokens": len(body["input_ids"]),
-                                     RECEIPT_KEY: [rc]}}).encode()
+    rc = {
+        "path": path,
+        "n_positions": len(body["input_ids"]),
+        "prefix_len": 0,
+        "taps": TAPS,
+        "capture_version": CAPTURE_VERSION,
+        **over,
+    }
+    return json.dumps(
+        {"meta_info": {"cached_tokens": 0, "prompt_tokens": len(body["input_ids"]), RECEIPT_KEY: [rc]}}
+    ).encode()
 
 
 def backend(smollm2, url, cap):
-    return SGLangBackend(smollm2, TAPS, dtype="bfloat16", device="cpu", server_url=url, capture_dir=str(cap),
-                         retries=1)
+    return SGLangBackend(smollm2, TAPS, dtype="bfloat16", device="cpu", server_url=url, capture_dir=str(cap), retries=1)
 
 
 def test_a_receipt_naming_a_file_outside_the_capture_dir_deletes_nothing(smollm2, tmp_path):
@@ -61,7 +68,7 @@ def test_a_receipt_naming_a_file_outside_the_capture_dir_deletes_nothing(smollm2
     precious = tmp_path / "precious.txt"
     precious.write_text("keep me")
     for path in (str(precious), str(cap / ".." / "precious.txt")):
-        srv = FakeServer(lambda body: receipt(body, path))
+        srv = FakeServer(lambda body, path=path: receipt(body, path))
         be = backend(smollm2, srv.url, cap)
         try:
             with pytest.raises(EaglenestError, match="refusing to read or delete it"):
@@ -93,15 +100,18 @@ def test_a_link_planted_at_the_capture_path_is_not_followed(smollm2, tmp_path):
     assert precious.read_bytes() == b"x" * 100 and not any(cap.iterdir())  # the link is gone, its target kept
 
 
-@pytest.mark.parametrize("answer", [
-    lambda body: b"<html>not json</html>",
-    lambda body: b"[]",
-    lambda body: json.dumps({"meta_info": "oops"}).encode(),
-    lambda body: json.dumps({"meta_info": {"cached_tokens": 0, RECEIPT_KEY: "x"}}).encode(),
-    lambda body: receipt(body, 42),
-    lambda body: receipt(body, "a.safetensors", n_positions="7"),
-    lambda body: receipt(body, "a.safetensors", taps=None),
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda body: b"<html>not json</html>",
+        lambda body: b"[]",
+        lambda body: json.dumps({"meta_info": "oops"}).encode(),
+        lambda body: json.dumps({"meta_info": {"cached_tokens": 0, RECEIPT_KEY: "x"}}).encode(),
+        lambda body: receipt(body, 42),
+        lambda body: receipt(body, "a.safetensors", n_positions="7"),
+        lambda body: receipt(body, "a.safetensors", taps=None),
+    ],
+)
 def test_malformed_answers_fail_the_sample_by_name(smollm2, tmp_path, answer):
     cap = tmp_path / "capture"
     cap.mkdir(mode=0o700)

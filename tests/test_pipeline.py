@@ -1,5 +1,6 @@
 """The real DVC pipeline end to end (target -> evaluate) on the real SmolLM2 target with a tiny
 params profile, in a fresh clone of this repository."""
+
 import json
 
 import pytest
@@ -19,8 +20,17 @@ def clone(tmp_path_factory, smollm2):
 
 def test_repro_to_validated_stores_then_noop(clone):
     p = sh("dvc repro", clone)
-    for stage in ("target", "sharegpt@tiny-a", "generate@tiny-a", "tokenize@tiny-b", "extract@tiny-a",
-                  "extract@tiny-b", "pack", "train", "evaluate"):
+    for stage in (
+        "target",
+        "sharegpt@tiny-a",
+        "generate@tiny-a",
+        "tokenize@tiny-b",
+        "extract@tiny-a",
+        "extract@tiny-b",
+        "pack",
+        "train",
+        "evaluate",
+    ):
         assert f"Running stage '{stage}'" in p.stdout
     for part in ("tiny-a", "tiny-b"):
         store = HiddenStore(clone / "data" / "hidden" / part)
@@ -28,7 +38,9 @@ def test_repro_to_validated_stores_then_noop(clone):
         tm = json.loads((clone / "metrics" / "tokenize" / f"{part}.json").read_text())
         assert m["committed"] and m["validation"]["passed"] and m["samples"] == len(store) == tm["samples"]
         assert store.attrs["taps"] == [2, 15, 27] and store.attrs["hidden_size"] == 576
-        assert store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]
+        assert (
+            store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]
+        )
         assert verify_store(store.path, progress=False) == []
     assert (clone / "data/hidden/tiny-a/aux/c/0/0/0").stat().st_nlink == 2  # hardlinked into the DVC cache
     again = sh("dvc repro", clone)

@@ -1,6 +1,7 @@
 """What a killed run, a second run, a full disk or a bad path must not do: delete the previous good
 store, another part's resumable work, or leave processes and shared memory behind; and every such
 failure ends in one line naming the path, not a traceback. Real files and real processes."""
+
 import errno
 import json
 import os
@@ -47,7 +48,7 @@ def test_publish_keeps_the_previous_store_until_the_new_one_is_in_place(tmp_path
         publish(new, out)
     monkeypatch.setattr(os, "rename", real_rename)
     assert (out / "good").read_text() == "previous good store"  # put back
-    assert [p.name for p in out.parent.iterdir()] == ["p"]     # nothing half-published beside it
+    assert [p.name for p in out.parent.iterdir()] == ["p"]  # nothing half-published beside it
     new.mkdir(parents=True)
     (new / "fresh").write_text("new store")
     publish(new, out)
@@ -96,8 +97,9 @@ def test_a_work_dir_interrupted_while_being_created_is_rebuilt(tmp_path, monkeyp
 
 
 def workspace(tmp_path, smollm2, n=30, **extract):
-    ws = stage_workspace(tmp_path / "ws", smollm2, base_params(extract=extract,
-                                                               store={"chunk_mb": 0.02, "shard_mb": 0.3}))
+    ws = stage_workspace(
+        tmp_path / "ws", smollm2, base_params(extract=extract, store={"chunk_mb": 0.02, "shard_mb": 0.3})
+    )
     write_tokenized(ws / "data/tokenized/p.parquet", random_samples(n, 20000, 40, 128, seed=7))
     return ws
 
@@ -119,9 +121,12 @@ def test_bad_paths_end_in_one_line_not_a_traceback(smollm2, tmp_path):
     r = run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws, check=False)
     assert r.returncode == 2 and "work-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
     bad = tmp_path / "bad.jsonl"
-    good = json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"},
-                                                {"role": "assistant", "content": "hello"}]})
-    bad.write_bytes(good.encode() + b"\n" + b'{"id": "b", "messages": "\xff\xfe"}\n' + good.replace('"a"', '"c"').encode() + b"\n")
+    good = json.dumps(
+        {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    )
+    bad.write_bytes(
+        good.encode() + b"\n" + b'{"id": "b", "messages": "\xff\xfe"}\n' + good.replace('"a"', '"c"').encode() + b"\n"
+    )
     with pytest.raises(EaglenestError, match=r"bad.jsonl:2: not UTF-8"):
         read_jsonl(bad)
     convs, report = read_jsonl(bad, on_error="skip")
@@ -137,9 +142,13 @@ def children(pid: int) -> list[psutil.Process]:
 
 def test_sigkill_leaves_no_writer_processes_or_shared_memory(smollm2, tmp_path):
     ws = workspace(tmp_path, smollm2, n=60, writers=2)
-    proc = subprocess.Popen([sys.executable, "-m", "stages.extract", "p", "--no-progress"], cwd=ws,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.extract", "p", "--no-progress"],
+        cwd=ws,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline, kids, shm = time.time() + 240, [], []
     while time.time() < deadline and proc.poll() is None:
         kids = [c for c in children(proc.pid) if "python" in c.name().lower()]

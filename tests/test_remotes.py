@@ -1,5 +1,6 @@
 """Share extracted states through real DVC remotes on 127.0.0.1: push from clone A (with the
 run-cache), pull into a fresh clone B, byte-identical stores, and no extraction in B."""
+
 import hashlib
 import shutil
 
@@ -12,8 +13,11 @@ pytestmark = pytest.mark.slow
 
 
 def tree_digest(root):
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,10 @@ def remote(request, tmp_path):
         env = {}
     else:
         server = S3Server(tmp_path)
-        add = [f"dvc remote add -d shared s3://{server.bucket}/cache",
-               f"dvc remote modify shared endpointurl {server.endpoint}"]
+        add = [
+            f"dvc remote add -d shared s3://{server.bucket}/cache",
+            f"dvc remote modify shared endpointurl {server.endpoint}",
+        ]
         local, env = [], S3Server.env
     yield add, local, env
     server.stop()

@@ -1,6 +1,7 @@
 """The sglang backend against a real SGLang server (CPU, SmolLM2) started through sglang_patch.
 
 The server environment is `.venv-sglang` (`make sglang-env`, which `make test` runs first)."""
+
 import json
 import os
 import signal
@@ -41,17 +42,46 @@ def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
     cap = tmp / "capture"
     cap.mkdir(mode=0o700)
     taps = taps or resolve_taps("auto", smollm2.num_layers)
-    srv = LaunchedServer(SGPY, smollm2.model_dir, dtype="bfloat16", taps=taps, capture_dir=cap, device="cpu",
-                         extra_args=["--max-total-tokens", "16384", *extra], log_path=tmp / "server.log",
-                         startup_timeout=300)
+    srv = LaunchedServer(
+        SGPY,
+        smollm2.model_dir,
+        dtype="bfloat16",
+        taps=taps,
+        capture_dir=cap,
+        device="cpu",
+        extra_args=["--max-total-tokens", "16384", *extra],
+        log_path=tmp / "server.log",
+        startup_timeout=300,
+    )
     if raw:
-        srv.cmd = [str(SGPY), "-m", "sglang.launch_server", "--model-path", str(smollm2.model_dir), "--dtype",
-                   "bfloat16", "--port", str(srv.port), "--host", "127.0.0.1", "--device", "cpu",
-                   "--skip-tokenizer-init", "--disable-cuda-graph",
-                   *[f"{f}" if v is None else f"{f}={v}" for f, v in launch.CPU_DEFAULTS], *extra]
-        srv.env.update({ENV_DIR: str(cap), ENV_TAPS: ",".join(map(str, taps)), ENV_RID_PREFIX: DEFAULT_RID_PREFIX,
-                        "SGLANG_USE_CPU_ENGINE": "1",
-                        "PYTHONPATH": os.pathsep.join(str(launch.STANDINS / s) for s in ("sgl_kernel_cpu", "no_torchvision"))})
+        srv.cmd = [
+            str(SGPY),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(smollm2.model_dir),
+            "--dtype",
+            "bfloat16",
+            "--port",
+            str(srv.port),
+            "--host",
+            "127.0.0.1",
+            "--device",
+            "cpu",
+            "--skip-tokenizer-init",
+            "--disable-cuda-graph",
+            *[f"{f}" if v is None else f"{f}={v}" for f, v in launch.CPU_DEFAULTS],
+            *extra,
+        ]
+        srv.env.update(
+            {
+                ENV_DIR: str(cap),
+                ENV_TAPS: ",".join(map(str, taps)),
+                ENV_RID_PREFIX: DEFAULT_RID_PREFIX,
+                "SGLANG_USE_CPU_ENGINE": "1",
+                "PYTHONPATH": os.pathsep.join(str(launch.STANDINS / s) for s in ("sgl_kernel_cpu", "no_torchvision")),
+            }
+        )
     srv.start()
     return srv
 
@@ -66,9 +96,17 @@ def test_server_port_taken_fails_fast_and_ports_avoid_the_ephemeral_range(smollm
         port = free_port()
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        srv = LaunchedServer(SGPY, smollm2.model_dir, dtype="bfloat16", taps=resolve_taps("auto", smollm2.num_layers),
-                             capture_dir=tmp_path / "capture", device="cpu", extra_args=["--max-total-tokens", "16384"],
-                             log_path=tmp_path / "server.log", startup_timeout=300)
+        srv = LaunchedServer(
+            SGPY,
+            smollm2.model_dir,
+            dtype="bfloat16",
+            taps=resolve_taps("auto", smollm2.num_layers),
+            capture_dir=tmp_path / "capture",
+            device="cpu",
+            extra_args=["--max-total-tokens", "16384"],
+            log_path=tmp_path / "server.log",
+            startup_timeout=300,
+        )
         srv.port, srv.url = port, f"http://127.0.0.1:{port}"
         srv.cmd[srv.cmd.index("--port") + 1] = str(port)
         t = time.time()
@@ -86,8 +124,9 @@ def server(smollm2, tmp_path_factory):
 
 def client(smollm2, srv, taps=None, **kw) -> SGLangBackend:
     taps = taps or resolve_taps("auto", smollm2.num_layers)
-    return SGLangBackend(smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url,
-                         capture_dir=str(srv.capture_dir), **kw)
+    return SGLangBackend(
+        smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url, capture_dir=str(srv.capture_dir), **kw
+    )
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -96,11 +135,15 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # --- the capture code alone -----------------------------------------------------------------------
 
+
 def test_requests_in_batch_slices_rows_and_skips_foreign_rids():
     from sglang_patch.capture import aux_rows, requests_in_batch
+
     reqs = requests_in_batch(["warmup", "eaglenest-a", "eaglenest-b"], [3, 5, 2], [0, 0, 4], "eaglenest-")
     assert [(r.index, r.rid, r.start, r.length, r.prefix_len) for r in reqs] == [
-        (1, "eaglenest-a", 3, 5, 0), (2, "eaglenest-b", 8, 2, 4)]
+        (1, "eaglenest-a", 3, 5, 0),
+        (2, "eaglenest-b", 8, 2, 4),
+    ]
     listed = [torch.randn(10, 4) for _ in range(3)]
     assert torch.equal(aux_rows(listed, 4), torch.stack(listed, 1))
     assert torch.equal(aux_rows(torch.cat(listed, -1), 4), torch.stack(listed, 1))  # packed [T, K*H]
@@ -108,34 +151,55 @@ def test_requests_in_batch_slices_rows_and_skips_foreign_rids():
 
 # --- the launcher ----------------------------------------------------------------------------------
 
-REFUSED = [["--chunked-prefill-size", "512"], ["--chunked-prefill-size=64"], ["--radix-cache-backend", "lru"],
-           ["--enable-hierarchical-cache"], ["--pp-size", "2"], ["--enable-mixed-chunk"],
-           ["--speculative-algorithm", "EAGLE3"],
-           # spellings SGLang's parser accepts: an abbreviation, an alias, --opt=value
-           ["--speculative-algo", "EAGLE3"], ["--pipeline-parallel-size=2"], ["--chunked-prefill=64"],
-           ["--enable-hier"]]
+REFUSED = [
+    ["--chunked-prefill-size", "512"],
+    ["--chunked-prefill-size=64"],
+    ["--radix-cache-backend", "lru"],
+    ["--enable-hierarchical-cache"],
+    ["--pp-size", "2"],
+    ["--enable-mixed-chunk"],
+    ["--speculative-algorithm", "EAGLE3"],
+    # spellings SGLang's parser accepts: an abbreviation, an alias, --opt=value
+    ["--speculative-algo", "EAGLE3"],
+    ["--pipeline-parallel-size=2"],
+    ["--chunked-prefill=64"],
+    ["--enable-hier"],
+]
 
 
 def test_launcher_refuses_contradicting_flags_however_spelled(tmp_path):
     """Judged by what SGLang's own parser makes of the arguments, so no spelling walks around it
     (one process: importing SGLang's parser takes seconds)."""
-    code = ("import json, sys; from sglang_patch.launch import build\n"
-            "out = []\n"
-            f"for flags in {REFUSED!r}:\n"
-            "    try:\n"
-            "        build(['--model-path', 'm', '--capture-dir', sys.argv[1]] + flags); out.append(None)\n"
-            "    except SystemExit as e:\n"
-            "        out.append(str(e))\n"
-            "print(json.dumps(out))")
-    got = json.loads(subprocess.run([str(SGPY), "-c", code, str(tmp_path / "cap")], capture_output=True, text=True,
-                                    check=True, timeout=300).stdout.splitlines()[-1])
+    code = (
+        "import json, sys; from sglang_patch.launch import build\n"
+        "out = []\n"
+        f"for flags in {REFUSED!r}:\n"
+        "    try:\n"
+        "        build(['--model-path', 'm', '--capture-dir', sys.argv[1]] + flags); out.append(None)\n"
+        "    except SystemExit as e:\n"
+        "        out.append(str(e))\n"
+        "print(json.dumps(out))"
+    )
+    got = json.loads(
+        subprocess.run(
+            [str(SGPY), "-c", code, str(tmp_path / "cap")], capture_output=True, text=True, check=True, timeout=300
+        ).stdout.splitlines()[-1]
+    )
     for flags, msg in zip(REFUSED, got):
         assert msg and "contradicts hidden-state capture" in msg and flags[0].split("=")[0] in msg, (flags, msg)
-    p = subprocess.run([str(SGPY), "-m", "sglang_patch.launch", "--model-path", str(tmp_path), "--speculative-algo",
-                        "EAGLE3"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [str(SGPY), "-m", "sglang_patch.launch", "--model-path", str(tmp_path), "--speculative-algo", "EAGLE3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "--speculative-algorithm EAGLE3 contradicts hidden-state capture" in p.stderr
-    p = subprocess.run([str(SGPY), "-m", "sglang_patch.launch", "--model-path", str(tmp_path), "--no-such-flag"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [str(SGPY), "-m", "sglang_patch.launch", "--model-path", str(tmp_path), "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "unrecognized arguments: --no-such-flag" in p.stderr and len(p.stderr) < 2000
 
 
@@ -143,16 +207,24 @@ def test_launcher_refuses_unsupported_sglang_version(tmp_path):
     fake = tmp_path / "site"
     (fake / "sglang-0.5.10.dist-info").mkdir(parents=True)
     (fake / "sglang-0.5.10.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.10\n")
-    p = subprocess.run([sys.executable, "-m", "sglang_patch.launch", "--model-path", str(tmp_path)],
-                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": f"{fake}:{REPO}"})
+    p = subprocess.run(
+        [sys.executable, "-m", "sglang_patch.launch", "--model-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{fake}:{REPO}"},
+    )
     assert p.returncode != 0 and "sglang 0.5.10 is outside the supported range" in p.stderr
 
 
 def test_launcher_command_line_in_server_env(tmp_path):
-    code = ("import json; from sglang_patch.launch import build; a, e, v = build(['--model-path', 'm', '--device', "
-            f"'cpu', '--capture-dir', '{tmp_path / 'cap'}']); print(json.dumps([a, e, v]))")
-    args, env, version = json.loads(subprocess.run([str(SGPY), "-c", code], capture_output=True, text=True,
-                                                   check=True, timeout=60).stdout)
+    code = (
+        "import json; from sglang_patch.launch import build; a, e, v = build(['--model-path', 'm', '--device', "
+        f"'cpu', '--capture-dir', '{tmp_path / 'cap'}']); print(json.dumps([a, e, v]))"
+    )
+    args, env, version = json.loads(
+        subprocess.run([str(SGPY), "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    )
     for flag in ("--disable-radix-cache", "--disable-cuda-graph", "--skip-tokenizer-init"):
         assert flag in args
     assert args[args.index("--chunked-prefill-size") + 1] == "-1" and args[args.index("--pp-size") + 1] == "1"
@@ -163,16 +235,29 @@ def test_launcher_command_line_in_server_env(tmp_path):
 
 # --- a real server ---------------------------------------------------------------------------------
 
+
 def test_parity_with_hf_store_and_gate(server, smollm2, tmp_path):
     seqs = random_samples(12, 20000, 8, 300, seed=3)
     tok = write_tokenized(tmp_path / "tok.parquet", seqs)
     taps = resolve_taps("auto", smollm2.num_layers)
     stores = {}
     for name, backend in (("sglang", client(smollm2, server)), ("hf", HFBackend(smollm2, taps, device="cpu"))):
-        m = extract_part(part="p", tokenized=tok, target=smollm2, backend=backend, taps=taps, dtype="bfloat16",
-                         revision=0, layout_cfg=dict(chunk_mb=0.05, shard_mb=1, codec="zstd", level=1),
-                         validate_cfg={"samples": 4, **GATE}, out_dir=tmp_path / name, work_root=tmp_path / "work",
-                         batch_tokens=1024, max_seq_len=512, progress=False)
+        m = extract_part(
+            part="p",
+            tokenized=tok,
+            target=smollm2,
+            backend=backend,
+            taps=taps,
+            dtype="bfloat16",
+            revision=0,
+            layout_cfg=dict(chunk_mb=0.05, shard_mb=1, codec="zstd", level=1),
+            validate_cfg={"samples": 4, **GATE},
+            out_dir=tmp_path / name,
+            work_root=tmp_path / "work",
+            batch_tokens=1024,
+            max_seq_len=512,
+            progress=False,
+        )
         backend.close()
         assert m["committed"] and m["validation"]["passed"], m["validation"]
         stores[name] = HiddenStore(tmp_path / name)
@@ -201,10 +286,14 @@ def test_32_concurrent_requests_each_match_their_own(server, smollm2):
 
 def test_capture_files_private_and_removed(server, smollm2):
     cap = Path(server.cmd[server.cmd.index("--capture-dir") + 1])
-    body = {"input_ids": list(range(10, 40)), "rid": f"{DEFAULT_RID_PREFIX}perm",
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-    req = urllib.request.Request(f"{server.url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "input_ids": list(range(10, 40)),
+        "rid": f"{DEFAULT_RID_PREFIX}perm",
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+    }
+    req = urllib.request.Request(
+        f"{server.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     meta = json.loads(urllib.request.urlopen(req, timeout=120).read())["meta_info"]
     path = Path(meta["hs_capture"][0]["path"])
     assert path.parent == cap and stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -212,9 +301,14 @@ def test_capture_files_private_and_removed(server, smollm2):
     path.unlink()
     # the server's own warm-up and requests without the client prefix are not captured
     body["rid"] = "someone-else"
-    meta = json.loads(urllib.request.urlopen(urllib.request.Request(
-        f"{server.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}),
-        timeout=120).read())["meta_info"]
+    meta = json.loads(
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{server.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            ),
+            timeout=120,
+        ).read()
+    )["meta_info"]
     assert not meta.get("hs_capture") or meta["hs_capture"] == [None]
     client(smollm2, server).extract(random_samples(6, 20000, 5, 60, seed=8))
     assert list(cap.iterdir()) == []  # every capture deleted once stored, no temp file left
@@ -261,16 +355,24 @@ def test_server_killed_mid_extraction_then_dvc_repro_resumes(tmp_path):
     params["extract"]["sglang"].update(python=str(SGPY), concurrency=1, retries=1)
     repo = make_clone(tmp_path / "repo", params)
     sh("dvc repro -q tokenize@tiny-a", repo)
-    proc = subprocess.Popen(f"{Path(sys.executable).parent}/dvc repro extract@tiny-a", cwd=repo, shell=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    proc = subprocess.Popen(
+        f"{Path(sys.executable).parent}/dvc repro extract@tiny-a",
+        cwd=repo,
+        shell=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+    )
     work = repo / ".eaglenest" / "work"
     t0 = time.time()
     while not list(work.glob("*/pieces/*.json")):  # wait for the first committed piece
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() - t0 < 600
         time.sleep(0.05)
-    pids = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(
+        ["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True, text=True
+    ).stdout.split()
     assert pids, "the stage's server process"
     for pid in pids:
         os.killpg(int(pid), signal.SIGKILL)
@@ -285,5 +387,6 @@ def test_server_killed_mid_extraction_then_dvc_repro_resumes(tmp_path):
     m = json.loads((repo / "metrics/extract/tiny-a.json").read_text())
     assert m["committed"] and m["pieces_resumed"] >= 1 and m["pieces_resumed"] < m["pieces"]
     assert HiddenStore(repo / "data/hidden/tiny-a").attrs["extractor"]["backend"] == "sglang"
-    assert not subprocess.run(["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True,
-                              text=True).stdout.strip(), "the stage stops the server it launched"
+    assert not subprocess.run(
+        ["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True, text=True
+    ).stdout.strip(), "the stage stops the server it launched"

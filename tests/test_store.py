@@ -1,4 +1,5 @@
 """Store format: bf16 bit-exactness, digests, corruption detection by verify and by readers."""
+
 import shutil
 from pathlib import Path
 
@@ -18,14 +19,14 @@ from .conftest import REPO, gate, random_samples, run_py, write_tokenized
 
 def test_bf16_bits_round_trip_is_exact():
     x = torch.randn(1000, dtype=torch.float32).to(torch.bfloat16)
-    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 24900.0],
-                                   dtype=torch.bfloat16)])
+    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 24900.0], dtype=torch.bfloat16)])
     back = from_bits(to_bits(x))
     assert torch.equal(back.view(torch.int16), x.view(torch.int16))
 
 
-def extract_tiny(tiny_target, tmp_path, codec="zstd", n=12, name="p", batch_tokens=200, states="bf16",
-                 backend_states=None):
+def extract_tiny(
+    tiny_target, tmp_path, codec="zstd", n=12, name="p", batch_tokens=200, states="bf16", backend_states=None
+):
     """`backend_states`: the format the backend hands over (default: the store's; bf16 with an fp8
     store = states quantized in the fill, as for the sglang backend)."""
     taps = resolve_taps("auto", tiny_target.num_layers)
@@ -33,10 +34,22 @@ def extract_tiny(tiny_target, tmp_path, codec="zstd", n=12, name="p", batch_toke
     tok = write_tokenized(tmp_path / f"{name}.parquet", seqs)
     be = HFBackend(tiny_target, taps, dtype="bfloat16", device="cpu", states=backend_states or states)
     out = tmp_path / "hidden" / name
-    m = extract_part(part=name, tokenized=tok, target=tiny_target, backend=be, taps=taps, dtype="bfloat16",
-                     revision=0, layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec=codec, level=1, states=states),
-                     validate_cfg=gate(3), out_dir=out, work_root=tmp_path / "work", batch_tokens=batch_tokens,
-                     max_seq_len=64, progress=False)
+    m = extract_part(
+        part=name,
+        tokenized=tok,
+        target=tiny_target,
+        backend=be,
+        taps=taps,
+        dtype="bfloat16",
+        revision=0,
+        layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec=codec, level=1, states=states),
+        validate_cfg=gate(3),
+        out_dir=out,
+        work_root=tmp_path / "work",
+        batch_tokens=batch_tokens,
+        max_seq_len=64,
+        progress=False,
+    )
     return out, seqs, be, m
 
 
@@ -59,6 +72,7 @@ def test_store_round_trip_bit_exact(tiny_target, tmp_path):
 
 def test_fp8_quantization_error_is_bounded():
     from eaglenest.store import states as state_format
+
     x = torch.randn(64, 3, 256) * torch.logspace(-3, 3, 64)[:, None, None]  # rows over six decades
     x[5, 1] = 0.0  # an all-zero row: scale 0, decodes to exact zeros
     x[7, 2, :4] = torch.tensor([448.0, -448.0, 0.5, 1.0])  # amax 448: scale 1, exact e4m3 values stay exact
@@ -73,7 +87,7 @@ def test_fp8_quantization_error_is_bounded():
     # e4m3: 3 mantissa bits, so an element within 2^-4 of itself (+ bf16 rounding of the product),
     # and nothing worse than 2^-9 of the row's amax (the smallest subnormal step)
     amax = ref.abs().amax(-1, keepdim=True)
-    assert (err <= ref.abs() * (2 ** -4 + 2 ** -8) + amax * 2 ** -9).all()
+    assert (err <= ref.abs() * (2**-4 + 2**-8) + amax * 2**-9).all()
     rel = (aux - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
     assert rel.max() < 0.05 and torch.equal(final, aux[:, 0])
 
@@ -97,8 +111,10 @@ def test_fp8_store_half_the_bytes_same_states_either_path(tiny_target, tmp_path)
         _, a16, f16 = s16.read(i)
         ids, a8, f8 = s8.read(i)
         assert np.array_equal(ids, seqs[i]) and a8.dtype == np.uint16 and a8.shape == a16.shape
-        x, y = from_bits(np.concatenate([a8.reshape(-1, a8.shape[-1]), f8])).float(), \
-            from_bits(np.concatenate([a16.reshape(-1, a16.shape[-1]), f16])).float()
+        x, y = (
+            from_bits(np.concatenate([a8.reshape(-1, a8.shape[-1]), f8])).float(),
+            from_bits(np.concatenate([a16.reshape(-1, a16.shape[-1]), f16])).float(),
+        )
         assert ((x - y).norm(dim=-1) / y.norm(dim=-1)).max() < 0.05
     assert verify_store(fp8, progress=False) == []
     victim = s8.index[0]
@@ -146,11 +162,11 @@ def test_flipped_byte_in_compressed_shard_or_shard_index(tiny_target, tmp_path):
     clean = tmp_path / "clean"
     shutil.copytree(out, clean)
     shard = out / "aux" / "c" / "0" / "0" / "0"
-    flip_byte(shard, shard.stat().st_size // 3)       # inside compressed chunk data
+    flip_byte(shard, shard.stat().st_size // 3)  # inside compressed chunk data
     bad = verify_store(out, progress=False)
     assert bad and all("store p" in b and "sample '" in b for b in bad)
     shard = clean / "aux" / "c" / "0" / "0" / "0"
-    flip_byte(shard, shard.stat().st_size - 6)          # inside the checksummed shard index
+    flip_byte(shard, shard.stat().st_size - 6)  # inside the checksummed shard index
     bad = verify_store(clean, progress=False)
     assert bad and all("sample '" in b for b in bad)
 
@@ -178,8 +194,10 @@ def test_verify_cli_ok_exit_zero(tiny_target, tmp_path):
     assert p.returncode == 0 and "OK" in p.stdout
 
 
-@pytest.mark.parametrize("codec, direct, states", [("zstd", True, "bf16"), ("none", True, "bf16"),
-                                                   ("zstd", False, "bf16"), ("zstd", True, "fp8")])
+@pytest.mark.parametrize(
+    "codec, direct, states",
+    [("zstd", True, "bf16"), ("none", True, "bf16"), ("zstd", False, "bf16"), ("zstd", True, "fp8")],
+)
 def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, codec, direct, states):
     """Pieces are encoded without zarr (shard_writer); the files must be exactly what zarr writes for
     the array metadata it created: same chunk bytes, crc32c, index, left-out fill chunks, no file
@@ -188,8 +206,9 @@ def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, codec, direct, sta
     import zarr
 
     from eaglenest.store import shard_writer
-    from eaglenest.store.shard_writer import shard_files, write_piece
     from eaglenest.store.hidden_store import Layout, create_arrays
+    from eaglenest.store.shard_writer import shard_files, write_piece
+
     layout = Layout(hidden=16, n_aux=3, chunk_tokens=16, shard_tokens=64, codec=codec, level=1, states=states)
     ours, ref = tmp_path / "ours", tmp_path / "zarr"
     for d in (ours, ref):

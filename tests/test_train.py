@@ -1,4 +1,5 @@
 """Training: pack outputs, exact resume, DDP (2 gloo processes) == 1 process, speculative decoding."""
+
 import json
 import shutil
 
@@ -42,10 +43,20 @@ def test_pack_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_targ
     """Shards are planned before any read, so 3 writer processes give the 1-process bytes exactly."""
     from eaglenest.data.pack import pack
     from eaglenest.target import load_heads
+
     data = tiny_packed / "data"
-    metrics = pack(["a", "b"], data / "hidden", data / "tokenized", tmp_path / "packed",
-                   lm_head=load_heads(tiny_target)["lm_head"], draft_vocab_size=48, val_fraction=0.15,
-                   shard_mb=0.05, progress=False, workers=3)
+    metrics = pack(
+        ["a", "b"],
+        data / "hidden",
+        data / "tokenized",
+        tmp_path / "packed",
+        lm_head=load_heads(tiny_target)["lm_head"],
+        draft_vocab_size=48,
+        val_fraction=0.15,
+        shard_mb=0.05,
+        progress=False,
+        workers=3,
+    )
     ref = sorted(p.relative_to(data / "packed") for p in (data / "packed").rglob("*") if p.is_file())
     got = sorted(p.relative_to(tmp_path / "packed") for p in (tmp_path / "packed").rglob("*") if p.is_file())
     assert got == ref and len([p for p in ref if p.name == "offsets.npy"]) > 2
@@ -60,6 +71,7 @@ def test_fp8_states_stay_fp8_in_the_pack_and_decode_to_the_stores_values(tiny_ta
     from eaglenest.data.packed import collate, decode_states
     from eaglenest.store.bf16 import from_bits
     from eaglenest.store.hidden_store import HiddenStore
+
     ws = build_packed(tmp_path / "ws", tiny_target, states="fp8")
     packed = ws / "data/packed"
     assert json.loads((packed / "manifest.json").read_text())["states"] == "fp8"
@@ -103,8 +115,11 @@ def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):
     one = workspace_copy(tiny_packed, tmp_path / "one", epochs=1)
     run_py(["-m", "stages.train"], cwd=one)
     two = workspace_copy(tiny_packed, tmp_path / "two", epochs=1)
-    p = run_py(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "stages.train"],
-               cwd=two, env_extra={"OMP_NUM_THREADS": "1"})
+    p = run_py(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "stages.train"],
+        cwd=two,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )
     m = json.loads((two / "metrics/train.json").read_text())
     assert m["world_size"] == 2, p.stderr[-2000:]
     np.testing.assert_allclose(history(two), history(one), rtol=2e-4)
@@ -117,6 +132,7 @@ def tiny_fp32(tiny_target):
 
 def tiny_drafter(tiny_target, taps, seed):
     from eaglenest.drafter.model import DrafterConfig
+
     cfg = json.loads((tiny_target.model_dir / "config.json").read_text())
     torch.manual_seed(seed)
     d = Eagle3Drafter(DrafterConfig.from_target(cfg, 64, taps))
@@ -126,11 +142,13 @@ def tiny_drafter(tiny_target, taps, seed):
 
 def oracle_drafter(truth_tokens: list[int], prompt_len: int, rng, vocab: int = 200):
     """A drafter right up to a random position of each chain: exercises every accept length."""
+
     def draft(_d, _e, _f, tokens, k):
         n = len(tokens) - prompt_len
-        truth = (truth_tokens + [0] * 8)[n:n + k]
+        truth = (truth_tokens + [0] * 8)[n : n + k]
         cut = int(rng.integers(0, k + 1))
         return truth[:cut] + [(t + 1) % vocab for t in truth[cut:]]
+
     return draft
 
 
@@ -147,8 +165,9 @@ def test_speculative_decoding_is_lossless(tiny_target, tiny_fp32, seed):
         s = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3)
         assert s.tokens == g.tokens
 
-        s2 = speculative_decode(runner, drafter, embed, prompt, 24, eos={2}, k=3,
-                                draft_fn=oracle_drafter(g.tokens, len(prompt), rng))
+        s2 = speculative_decode(
+            runner, drafter, embed, prompt, 24, eos={2}, k=3, draft_fn=oracle_drafter(g.tokens, len(prompt), rng)
+        )
         assert s2.tokens == g.tokens and max(s2.accepted) >= 1
         assert s2.target_forwards < g.target_forwards or len(g.tokens) <= 2
 
@@ -162,6 +181,7 @@ def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_pat
     def trainer():
         cfg = T.TrainConfig(**train_params())
         return T.Trainer(tiny_packed / "data/packed", load_target(tiny_packed / "data/target"), cfg, tmp_path)
+
     a = trainer()
     a.fit(stop_after_steps=2, progress=False)
     assert trainer().maybe_resume()  # same code: resumes

@@ -1,5 +1,6 @@
 """Data versioning on real DVC: incremental parts, edits, invalidation, and identical training data
 to a clean rebuild. Recipes as in the README's "Versioning workflows"."""
+
 import shutil
 
 import pyarrow.parquet as pq
@@ -51,7 +52,7 @@ def test_add_a_part_extracts_only_that_part(repo, tmp_path):
 
 def test_edit_one_part_reruns_only_that_part(repo, tmp_path):
     params = tiny_params(PARTS[:2], per_part=3)
-    params["data"]["sharegpt"]["v-b"]["count"] = 2   # the part's content changes
+    params["data"]["sharegpt"]["v-b"]["count"] = 2  # the part's content changes
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout
     assert ran(out) == {"sharegpt@v-b", "generate@v-b", "tokenize@v-b", "extract@v-b", "pack"}

@@ -176,7 +176,7 @@ def _write_shard(job: tuple) -> dict:
     states, head, t2d = _ctx["states"], _ctx["head"], _ctx["t2d"]
     arrays = {k: [] for k in packed_arrays(states)}
     masked = hits = 0
-    for key, part, i, sid, tok_ids, mask in rows:
+    for _key, part, i, sid, tok_ids, mask in rows:
         ids, stored = _ctx["stores"][part].read_stored(i)  # kept in the stores' format
         if not np.array_equal(ids, tok_ids):
             raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")

@@ -2,6 +2,7 @@
 grouped under a token budget, left-padded, one KV cache per batch; rows leave the batch as they
 finish (end of turn or their own token limit), so long answers do not keep short ones computing.
 Greedy (temperature 0) or sampled from softmax(logits / temperature) with a seeded generator."""
+
 from dataclasses import dataclass
 
 import torch
@@ -10,13 +11,13 @@ from eaglenest.decoding import static_decode
 from eaglenest.decoding.kv_cache import cache_kwarg, growing_cache
 
 CHECK_EVERY = 8  # steps between looks at which rows finished (each look waits for the GPU)
-SHRINK = 4       # a CUDA-graphed batch drops its finished rows once they are 3/4 of it
+SHRINK = 4  # a CUDA-graphed batch drops its finished rows once they are 3/4 of it
 
 
 @dataclass
 class Decoded:
-    tokens: list[int]   # generated ids, the end-of-turn id excluded
-    ended: bool         # stopped at an end-of-turn id (else at its token limit)
+    tokens: list[int]  # generated ids, the end-of-turn id excluded
+    ended: bool  # stopped at an end-of-turn id (else at its token limit)
 
 
 def plan_batches(lengths: list[int], max_new: list[int], batch_tokens: int, max_rows: int) -> list[list[int]]:
@@ -41,8 +42,8 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     mask = torch.zeros((B, L), dtype=torch.long)
     for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        mask[r, L - len(p):] = 1
+        ids[r, L - len(p) :] = torch.tensor(p)
+        mask[r, L - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -53,8 +54,14 @@ class HFStepper:
         self.model, self.cache, self.kw = model, growing_cache(reserve=width), cache_kwarg(model)
 
     def _forward(self, x, position):
-        out = self.model(input_ids=x, attention_mask=self.attn, position_ids=position, use_cache=True,
-                         logits_to_keep=1, **{self.kw: self.cache})
+        out = self.model(
+            input_ids=x,
+            attention_mask=self.attn,
+            position_ids=position,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.kw: self.cache},
+        )
         return out.logits[:, -1].float()
 
     def prefill(self, ids, attn, pos):
@@ -78,9 +85,17 @@ def stepper_for(model, rows: int, width: int):
 
 
 @torch.inference_mode()
-def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[int], pad_id: int,
-                 temperature: float = 0.0, generator: torch.Generator | None = None, on_tokens=None,
-                 stepper=None) -> list[Decoded]:
+def decode_batch(
+    model,
+    prompts: list[list[int]],
+    max_new: list[int],
+    eos: set[int],
+    pad_id: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    on_tokens=None,
+    stepper=None,
+) -> list[Decoded]:
     dev = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, dev)
     B, L = ids.shape
@@ -97,7 +112,7 @@ def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[i
         probs = torch.softmax(logits / temperature, -1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
-    rows = torch.arange(B, device=dev)          # original row of each live batch row
+    rows = torch.arange(B, device=dev)  # original row of each live batch row
     out = torch.full((B, W), -1, dtype=torch.long, device=dev)
     n = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated per original row
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -126,22 +141,32 @@ def decode_batch(model, prompts: list[list[int]], max_new: list[int], eos: set[i
     out, n = out.cpu(), n.cpu()
     res = []
     for r in range(len(prompts)):
-        toks = out[r, :n[r]].tolist()
+        toks = out[r, : n[r]].tolist()
         ended = bool(toks) and toks[-1] in eos
         res.append(Decoded(toks[:-1] if ended else toks, ended))
     return res
 
 
-def decode_all(model, prompts: list[list[int]], max_new: list[int], eos: set[int], pad_id: int,
-               temperature: float = 0.0, seed: int = 0, batch_tokens: int = 65536, max_rows: int = 256,
-               on_tokens=None) -> list[Decoded]:
+def decode_all(
+    model,
+    prompts: list[list[int]],
+    max_new: list[int],
+    eos: set[int],
+    pad_id: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_tokens: int = 65536,
+    max_rows: int = 256,
+    on_tokens=None,
+) -> list[Decoded]:
     """Decode every prompt (prompts[i] for up to max_new[i] tokens); results in input order."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     results: list[Decoded | None] = [None] * len(prompts)
     for batch in plan_batches([len(p) for p in prompts], max_new, batch_tokens, max_rows):
-        done = decode_batch(model, [prompts[i] for i in batch], [max_new[i] for i in batch], eos, pad_id,
-                            temperature, gen, on_tokens)
+        done = decode_batch(
+            model, [prompts[i] for i in batch], [max_new[i] for i in batch], eos, pad_id, temperature, gen, on_tokens
+        )
         for i, d in zip(batch, done):
             results[i] = d
     return results

@@ -11,6 +11,7 @@ decisions as `speculative.speculative_decode`, run side by side:
 
 Rows leave the batch when they finish. Batched fp32 arithmetic is not bit-identical to batch 1 (the
 reductions differ), so a greedy near-tie can in principle resolve differently than at batch 1."""
+
 from dataclasses import dataclass, field
 
 import torch
@@ -24,22 +25,26 @@ from eaglenest.drafter.model import Eagle3Drafter, StepCache
 
 @dataclass
 class Row:
-    seq: list                                   # prompt + output; features are known for seq[:-1]
+    seq: list  # prompt + output; features are known for seq[:-1]
     out: list
-    feats: list = field(default_factory=list)   # aux [n, A, H] pieces, one per verification
+    feats: list = field(default_factory=list)  # aux [n, A, H] pieces, one per verification
     accepted: list = field(default_factory=list)
 
 
 @torch.inference_mode()
 def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torch.Tensor:
     """drafts [B, k] (target ids): each row's chain from its own last cell."""
-    feats = pad_sequence([torch.cat(r.feats) for r in rows], batch_first=True)    # [B, N, A, H]
+    feats = pad_sequence([torch.cat(r.feats) for r in rows], batch_first=True)  # [B, N, A, H]
     n = torch.tensor([len(r.seq) - 1 for r in rows], device=feats.device)
     tokens = pad_sequence([torch.tensor(r.seq[1:], device=feats.device) for r in rows], batch_first=True)
     dtype = drafter.fc.weight.dtype
     cache = StepCache()
-    x = drafter.step(drafter.project(feats.to(dtype)), embed(tokens).to(dtype),
-                     torch.arange(feats.shape[1], device=feats.device), cache)
+    x = drafter.step(
+        drafter.project(feats.to(dtype)),
+        embed(tokens).to(dtype),
+        torch.arange(feats.shape[1], device=feats.device),
+        cache,
+    )
     last = n - 1
     h = x[torch.arange(len(rows), device=x.device), last][:, None]
     drafts = []
@@ -53,8 +58,17 @@ def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torc
 
 
 @torch.inference_mode()
-def decode(model, taps: list[int], prompts: list[list[int]], max_new: int, eos: set, k: int = 0,
-           drafter: Eagle3Drafter | None = None, embed=None, draft_fn=draft_chains) -> list[Row]:
+def decode(
+    model,
+    taps: list[int],
+    prompts: list[list[int]],
+    max_new: int,
+    eos: set,
+    k: int = 0,
+    drafter: Eagle3Drafter | None = None,
+    embed=None,
+    draft_fn=draft_chains,
+) -> list[Row]:
     """Greedy (k = 0) or speculative decoding of every prompt; rows in prompt order. `draft_fn`
     (drafter, embed, live rows, k) -> drafts [b, k]: tests pass an oracle."""
     dev = next(model.parameters()).device
@@ -64,9 +78,16 @@ def decode(model, taps: list[int], prompts: list[list[int]], max_new: int, eos: 
     cache = growing_cache()
 
     def forward(x, positions, keep=0):
-        out = model(input_ids=x, attention_mask=valid, position_ids=positions, use_cache=True,
-                    output_hidden_states=k > 0, logits_to_keep=keep, **{kw: cache})
-        aux = torch.stack([out.hidden_states[j] for j in taps], 2) if k > 0 else None   # [B, q, A, H]
+        out = model(
+            input_ids=x,
+            attention_mask=valid,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=k > 0,
+            logits_to_keep=keep,
+            **{kw: cache},
+        )
+        aux = torch.stack([out.hidden_states[j] for j in taps], 2) if k > 0 else None  # [B, q, A, H]
         return out.logits.argmax(-1), aux
 
     greedy, aux = forward(ids, (valid.cumsum(-1) - 1).clamp(min=0), keep=1)
@@ -76,24 +97,24 @@ def decode(model, taps: list[int], prompts: list[list[int]], max_new: int, eos: 
         row.seq.append(first[r])
         row.out.append(first[r])
         if k > 0:
-            row.feats.append(aux[r, L - len(p):])
+            row.feats.append(aux[r, L - len(p) :])
     live = [r for r in range(B) if not _finished(rows[r], max_new, eos)]
     while live:
         lr = [rows[r] for r in live]
         last = torch.tensor([r.seq[-1] for r in lr], device=dev)[:, None]
         drafts = draft_fn(drafter, embed, lr, k) if k > 0 else last[:, :0]
-        x = torch.cat([last, drafts], 1)                                          # [b, k+1]
+        x = torch.cat([last, drafts], 1)  # [b, k+1]
         pos = torch.tensor([len(r.seq) - 1 for r in lr], device=dev)[:, None] + torch.arange(k + 1, device=dev)
         valid = torch.cat([valid, torch.ones_like(x)], 1)
         greedy, aux = forward(x, pos)
-        match = (drafts == greedy[:, :k]).long().cumprod(1).sum(1)                # leading accepted drafts
+        match = (drafts == greedy[:, :k]).long().cumprod(1).sum(1)  # leading accepted drafts
         a_all, g_all, d_all = match.tolist(), greedy.tolist(), drafts.tolist()
-        valid[:, -(k + 1):] = (torch.arange(k + 1, device=dev) <= match[:, None]).long()  # rejected: masked
+        valid[:, -(k + 1) :] = (torch.arange(k + 1, device=dev) <= match[:, None]).long()  # rejected: masked
         for b, row in enumerate(lr):
             a = a_all[b]
             new = d_all[b][:a] + [g_all[b][a]]
             if k > 0:
-                row.feats.append(aux[b, :a + 1])
+                row.feats.append(aux[b, : a + 1])
                 row.accepted.append(a)
             row.seq += new
             row.out += new

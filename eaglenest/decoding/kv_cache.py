@@ -3,6 +3,7 @@ so appending a token writes in place instead of `torch.cat`-copying the whole ca
 (at 768 rows x 1k tokens that copy is ~12 GB per step on a GPU). Rows can be dropped
 (`batch_select_indices`) as they finish. Same arithmetic as `DynamicCache`: the attention reads a
 view of exactly the cached length."""
+
 import inspect
 
 import torch
@@ -19,8 +20,12 @@ class GrowingLayer(DynamicLayer):
         n, m = self.get_seq_length(), key_states.shape[-2]
         buf = getattr(self, "_kbuf", None)
         # a buffer that no longer backs `keys` (rows selected, cropped below a copy) is rebuilt
-        if (buf is None or n + m > buf.shape[-2] or buf.shape[0] != key_states.shape[0]
-                or (n and self.keys.data_ptr() != buf.data_ptr())):
+        if (
+            buf is None
+            or n + m > buf.shape[-2]
+            or buf.shape[0] != key_states.shape[0]
+            or (n and self.keys.data_ptr() != buf.data_ptr())
+        ):
             cap = max(64, 2 * (n + m), self.reserve if n == 0 else 0)
             shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
             kb = key_states.new_empty(shape)
@@ -29,9 +34,9 @@ class GrowingLayer(DynamicLayer):
                 kb[..., :n, :] = self.keys
                 vb[..., :n, :] = self.values
             self._kbuf, self._vbuf = kb, vb
-        self._kbuf[..., n:n + m, :] = key_states
-        self._vbuf[..., n:n + m, :] = value_states
-        self.keys, self.values = self._kbuf[..., :n + m, :], self._vbuf[..., :n + m, :]
+        self._kbuf[..., n : n + m, :] = key_states
+        self._vbuf[..., n : n + m, :] = value_states
+        self.keys, self.values = self._kbuf[..., : n + m, :], self._vbuf[..., : n + m, :]
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

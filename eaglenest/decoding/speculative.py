@@ -1,6 +1,7 @@
 """Offline speculative decoding with the target (HF, KV cache) and an EAGLE-3 drafter (docs/design.md: Evaluate):
 chain drafting of k tokens, greedy verification. Lossless: the output is the target's greedy
 decoding. Acceptance length counts the bonus token (no speculation = 1.0, SGLang's convention)."""
+
 import time
 from dataclasses import dataclass, field
 
@@ -30,8 +31,9 @@ class TargetRunner:
         """Run `ids` at positions start.. with the cache; (greedy next ids, aux [n, 3, H] or None)."""
         x = torch.tensor([ids], device=self.device)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=x, position_ids=pos, use_cache=True, output_hidden_states=taps,
-                         **{self.cache_kw: cache})
+        out = self.model(
+            input_ids=x, position_ids=pos, use_cache=True, output_hidden_states=taps, **{self.cache_kw: cache}
+        )
         aux = torch.stack([out.hidden_states[j][0] for j in self.taps], 1) if taps else None
         return out.logits[0].argmax(-1).tolist(), aux
 
@@ -55,8 +57,12 @@ def draft_chain(drafter: Eagle3Drafter, embed, feats: torch.Tensor, tokens: torc
     n = feats.shape[0]
     dtype = drafter.fc.weight.dtype
     cache = StepCache()
-    x = drafter.step(drafter.project(feats[None].to(dtype)), embed(tokens[None, 1:]).to(dtype),
-                     torch.arange(n, device=feats.device), cache)
+    x = drafter.step(
+        drafter.project(feats[None].to(dtype)),
+        embed(tokens[None, 1:]).to(dtype),
+        torch.arange(n, device=feats.device),
+        cache,
+    )
     h = x[:, -1:]
     drafts = []
     for j in range(k):
@@ -70,17 +76,25 @@ def draft_chain(drafter: Eagle3Drafter, embed, feats: torch.Tensor, tokens: torc
     return drafts
 
 
-def speculative_decode(runner: TargetRunner, drafter: Eagle3Drafter, embed, prompt: list[int], max_new: int,
-                       eos: set, k: int, draft_fn=draft_chain) -> Decoded:
+def speculative_decode(
+    runner: TargetRunner,
+    drafter: Eagle3Drafter,
+    embed,
+    prompt: list[int],
+    max_new: int,
+    eos: set,
+    k: int,
+    draft_fn=draft_chain,
+) -> Decoded:
     t0 = time.perf_counter()
     cache = DynamicCache()
     nxt, feats = runner.forward(prompt, cache, 0)
     out = [nxt[-1]]
-    seq = list(prompt) + out           # features are known for seq[:-1]
+    seq = list(prompt) + out  # features are known for seq[:-1]
     forwards, accepted = 1, []
     while len(out) < max_new and out[-1] not in eos:
         drafts = draft_fn(drafter, embed, feats, torch.tensor(seq, device=feats.device), k)
-        n = len(seq) - 1               # KV cache holds positions 0..n-1
+        n = len(seq) - 1  # KV cache holds positions 0..n-1
         greedy, new_feats = runner.forward([seq[-1]] + drafts, cache, n)
         forwards += 1
         a = 0
@@ -91,7 +105,7 @@ def speculative_decode(runner: TargetRunner, drafter: Eagle3Drafter, embed, prom
         if a < k:  # drop the rejected drafts' keys/values (transformers 5: a negative count)
             cache.crop(-(k - a))
         assert cache.get_seq_length() == n + a + 1
-        feats = torch.cat([feats, new_feats[:a + 1]])
+        feats = torch.cat([feats, new_feats[: a + 1]])
         seq += new
         out += new
         out = cut_at_eos(out, eos)
@@ -102,5 +116,5 @@ def cut_at_eos(out: list[int], eos: set) -> list[int]:
     """Up to and including the first end-of-turn id: where greedy decoding would have stopped."""
     for i, t in enumerate(out):
         if t in eos:
-            return out[:i + 1]
+            return out[: i + 1]
     return out

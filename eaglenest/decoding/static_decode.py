@@ -12,6 +12,7 @@ columns written so far. The grouped query heads of one KV head are laid out as t
 Prompts are prefilled by the model's own forward (rows in chunks, so memory stays bounded) and their
 K/V copied into the cache. `supports(model)` says whether a model has this layout; other models
 use `batch_decode`'s transformers path."""
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -38,6 +39,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class StaticDecoder:
     """A cache of rows x width tokens: `prefill` the left-padded prompts [rows, L], then each `step`
     writes the next column (L, L+1, ...); `select` keeps some rows (a smaller graph is captured)."""
+
     ALIGN = 16  # cache columns, rounded up: SDPA's fused kernels want an aligned mask
 
     def __init__(self, model, rows: int, width: int, graph: bool | None = None):
@@ -58,7 +60,9 @@ class StaticDecoder:
         self.graph = self.logits = None
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, chunk_tokens: int = 1 << 18) -> torch.Tensor:
+    def prefill(
+        self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, chunk_tokens: int = 1 << 18
+    ) -> torch.Tensor:
         """Run the prompts ([rows, L], left-padded) through the model; returns the last position's logits."""
         L = self.next_col = ids.shape[1]
         self.valid[:, :L] = attn.bool()
@@ -67,8 +71,14 @@ class StaticDecoder:
         for r in range(0, self.rows, step):
             s = slice(r, r + step)
             cache = DynamicCache()
-            out = self.model(input_ids=ids[s], attention_mask=attn[s], position_ids=pos[s], use_cache=True,
-                             logits_to_keep=1, **{cache_kwarg(self.model): cache})
+            out = self.model(
+                input_ids=ids[s],
+                attention_mask=attn[s],
+                position_ids=pos[s],
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kwarg(self.model): cache},
+            )
             for i, layer in enumerate(cache.layers):
                 self.k[i, s, :, :L] = layer.keys
                 self.v[i, s, :, :L] = layer.values
@@ -78,8 +88,8 @@ class StaticDecoder:
     def _step(self) -> torch.Tensor:
         m, B, d = self.model.model, self.rows, self.head_dim
         g = self.heads // self.kv_heads
-        x = m.embed_tokens(self.tok[:, None])                          # [B, 1, H]
-        cos, sin = m.rotary_emb(x, self.pos[:, None])                  # [B, 1, d]
+        x = m.embed_tokens(self.tok[:, None])  # [B, 1, H]
+        cos, sin = m.rotary_emb(x, self.pos[:, None])  # [B, 1, d]
         cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # [B, 1, 1, d]
         self.valid.index_fill_(1, self.col, True)
         mask = self.valid[:, None, None, :]

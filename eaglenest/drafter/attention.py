@@ -4,6 +4,7 @@ attention in `drafter.Eagle3Attention`, without materialising [heads, T, T] scor
 
 Key index j < T: step-0 key of cell j, visible to cell q when j <= q (causal). Key index
 j = s*T + c (s >= 1): step-s key of cell c, visible only to cell q == c (the diagonal)."""
+
 import functools
 
 import torch
@@ -22,6 +23,7 @@ def _compiled():
 def ttt_mask_mod(T: int):
     def mask_mod(b, h, q, kv):
         return ((kv < T) & (kv <= q)) | ((kv >= T) & (kv % T == q))
+
     return mask_mod
 
 

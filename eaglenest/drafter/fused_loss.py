@@ -5,6 +5,7 @@ teacher's distribution, and the gradients w.r.t. h_k and W computed right there 
 and none recomputed. On CUDA the per-chunk softmax / CE / gradient is one compiled kernel pair
 instead of ~10 passes over fp32 [chunk, Vd] temporaries. Numerically the same loss as
 `ttt.ttt_loss(fused=False)`."""
+
 import torch
 import torch.nn.functional as F
 
@@ -66,8 +67,9 @@ class _StepsLinearSoftCE(torch.autograd.Function):
                 m = masks[k, c0:c1]
                 w = m * scales[k]
                 # row r predicts from teacher row r + 1 + k
-                ce, correct, g = fn(hc @ Wc.T, teacher_p[c0 + 1 + k:c1 + 1 + k],
-                                    teacher_top[c0 + 1 + k:c1 + 1 + k], w, need_grad)
+                ce, correct, g = fn(
+                    hc @ Wc.T, teacher_p[c0 + 1 + k : c1 + 1 + k], teacher_top[c0 + 1 + k : c1 + 1 + k], w, need_grad
+                )
                 loss += (ce * w).sum()
                 stats[k, 0] += (ce * m).sum()
                 stats[k, 1] += (correct * m).sum()
@@ -86,8 +88,7 @@ class _StepsLinearSoftCE(torch.autograd.Function):
         gW, *grads = ctx.saved_tensors
         gW = gW.mul_(gloss)  # in place: no second [Vd, H] fp32 buffer (backward runs once)
         # autograd casts each h-gradient back to h's dtype
-        return (gW.to(ctx.w_dtype), None, None, None, None, None, None, None,
-                *[g * gloss.to(g.dtype) for g in grads])
+        return (gW.to(ctx.w_dtype), None, None, None, None, None, None, None, *[g * gloss.to(g.dtype) for g in grads])
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -101,8 +102,16 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += (a @ b).float()
 
 
-def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher_p: torch.Tensor, teacher_top: torch.Tensor,
-                         masks: torch.Tensor, scales: list[float], chunk: int = 2048, compile_kernel: bool = True):
+def steps_linear_soft_ce(
+    hs: list[torch.Tensor],
+    W: torch.Tensor,
+    teacher_p: torch.Tensor,
+    teacher_top: torch.Tensor,
+    masks: torch.Tensor,
+    scales: list[float],
+    chunk: int = 2048,
+    compile_kernel: bool = True,
+):
     """hs: K step outputs [B, T, H] (after the final norm); W [Vd, H]; teacher_p / teacher_top from
     `teacher_targets`; masks [K, B, T]. Loss = sum_k scales[k] * sum_t masks[k, t] * CE(p[t+1+k], h_k[t] W^T).
     Returns (loss, stats [K, 3] = per-step masked CE sum, correct top-1, mask count). compile_kernel:
@@ -115,6 +124,14 @@ def steps_linear_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, teacher_p: tor
     with torch.autocast(dev, enabled=False):
         # scales stay Python floats: a tensor built from them is a pageable host-to-device copy,
         # which stalls the CPU until the GPU has drained the whole forward
-        return _StepsLinearSoftCE.apply(W, teacher_p, teacher_top, masks.reshape(K, B * T).float(),
-                                        tuple(float(x) for x in scales), chunk, dtype, compile_kernel,
-                                        *[h.reshape(B * T, H) for h in hs])
+        return _StepsLinearSoftCE.apply(
+            W,
+            teacher_p,
+            teacher_top,
+            masks.reshape(K, B * T).float(),
+            tuple(float(x) for x in scales),
+            chunk,
+            dtype,
+            compile_kernel,
+            *[h.reshape(B * T, H) for h in hs],
+        )

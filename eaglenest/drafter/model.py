@@ -1,9 +1,10 @@
-"""The EAGLE-3 drafter (docs/design.md: Serving format). `save_pretrained` writes the serving format SGLang and vLLM load
-as an EAGLE-3 draft: `LlamaForCausalLMEagle3`, one `midlayer`, `fc [H, 3H]`, q/k/v over 2H,
+"""The EAGLE-3 drafter (docs/design.md: Serving format). `save_pretrained` writes the serving format
+SGLang and vLLM load as an EAGLE-3 draft: `LlamaForCausalLMEagle3`, one `midlayer`, `fc [H, 3H]`, q/k/v over 2H,
 `lm_head [Vd, H]`, `d2t` (int64 offsets: target = i + d2t[i]) and `t2d` (bool), no embedding.
 
 One attention step serves training-time test and inference: the queried cells attend causally to
 the step-0 keys, plus to their own keys from steps 1..k (the "diagonal")."""
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ class DrafterConfig:
     rms_norm_eps: float
     rope_parameters: dict
     max_position_embeddings: int
-    vocab_size: int          # the TARGET vocabulary (engines index the target embedding with it)
+    vocab_size: int  # the TARGET vocabulary (engines index the target embedding with it)
     draft_vocab_size: int
     target_hidden_size: int
     num_target_layers: int
@@ -37,28 +38,48 @@ class DrafterConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, cfg: dict, draft_vocab_size: int, taps: list[int],
-                    intermediate_size: int | None = None) -> "DrafterConfig":
+    def from_target(
+        cls, cfg: dict, draft_vocab_size: int, taps: list[int], intermediate_size: int | None = None
+    ) -> "DrafterConfig":
         """The target's shapes; `intermediate_size` widens (or narrows) the one MLP: engines read it
         from config.json, so any width serves."""
         cfg = cfg.get("text_config", cfg)
-        rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
-                                              **(cfg.get("rope_scaling") or {})}
+        rope = cfg.get("rope_parameters") or {
+            "rope_type": "default",
+            "rope_theta": cfg.get("rope_theta", 10000.0),
+            **(cfg.get("rope_scaling") or {}),
+        }
         heads = cfg["num_attention_heads"]
-        return cls(hidden_size=cfg["hidden_size"], intermediate_size=intermediate_size or cfg["intermediate_size"],
-                   num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg["rms_norm_eps"],
-                   rope_parameters=rope, max_position_embeddings=cfg["max_position_embeddings"],
-                   vocab_size=cfg["vocab_size"], draft_vocab_size=draft_vocab_size,
-                   target_hidden_size=cfg["hidden_size"], num_target_layers=cfg["num_hidden_layers"],
-                   taps=list(taps), hidden_act=cfg.get("hidden_act", "silu"))
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=intermediate_size or cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_parameters=rope,
+            max_position_embeddings=cfg["max_position_embeddings"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=cfg["hidden_size"],
+            num_target_layers=cfg["num_hidden_layers"],
+            taps=list(taps),
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
 
     def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act,
-                           rope_parameters=dict(self.rope_parameters),
-                           max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size)
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+        )
 
     def serving_config(self) -> dict:
         """config.json as engines read it. Aux layer ids are written only for non-default taps, in
@@ -67,33 +88,59 @@ class DrafterConfig:
         rope = dict(self.rope_parameters)
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         out = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps,
-            "hidden_act": self.hidden_act, "rope_theta": rope.get("rope_theta", 10000.0),
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act,
+            "rope_theta": rope.get("rope_theta", 10000.0),
             "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
-            "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
-            "num_aux_hidden_states": len(self.taps), "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-            "eaglenest": {"taps": self.taps, "num_target_layers": self.num_target_layers,
-                          "rope_parameters": rope, "tap_semantics": "HF hidden_states index (input of layer)"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "num_aux_hidden_states": len(self.taps),
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "eaglenest": {
+                "taps": self.taps,
+                "num_target_layers": self.num_target_layers,
+                "rope_parameters": rope,
+                "tap_semantics": "HF hidden_states index (input of layer)",
+            },
         }
         if self.taps != default_taps(self.num_target_layers):
-            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.taps],
-                                   "use_aux_hidden_state": True}
+            out["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.taps],
+                "use_aux_hidden_state": True,
+            }
             out["eagle_aux_hidden_state_layer_ids"] = list(self.taps)
         return out
 
     @classmethod
     def from_serving_config(cls, d: dict) -> "DrafterConfig":
         e = d["eaglenest"]
-        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-                   num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
-                   head_dim=d["head_dim"], rms_norm_eps=d["rms_norm_eps"], rope_parameters=e["rope_parameters"],
-                   max_position_embeddings=d["max_position_embeddings"], vocab_size=d["vocab_size"],
-                   draft_vocab_size=d["draft_vocab_size"], target_hidden_size=d["target_hidden_size"],
-                   num_target_layers=e["num_target_layers"], taps=e["taps"], hidden_act=d["hidden_act"])
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d["num_key_value_heads"],
+            head_dim=d["head_dim"],
+            rms_norm_eps=d["rms_norm_eps"],
+            rope_parameters=e["rope_parameters"],
+            max_position_embeddings=d["max_position_embeddings"],
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d["draft_vocab_size"],
+            target_hidden_size=d["target_hidden_size"],
+            num_target_layers=e["num_target_layers"],
+            taps=e["taps"],
+            hidden_act=d["hidden_act"],
+        )
 
 
 class StepCache:
@@ -140,20 +187,21 @@ class Eagle3Attention(nn.Module):
             cache.diag_v.append(v)
         if self.impl == "flex" and isinstance(q_offset, int) and q_offset == 0 and Tq == cache.k0.shape[2]:
             from eaglenest.drafter.attention import ttt_attention
+
             return ttt_attention(q, [cache.k0, *cache.diag_k], [cache.v0, *cache.diag_v])
         k0, v0 = cache.k0.repeat_interleave(rep, 1), cache.v0.repeat_interleave(rep, 1)
-        scale = self.d ** -0.5
-        s0 = (q @ k0.transpose(-1, -2)) * scale                              # [B, nh, Tq, T0]
+        scale = self.d**-0.5
+        s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, Tq, T0]
         # q_offset: one first cell for the batch, or one per row [B] (rows of different lengths)
         first = q_offset[:, None, None] if torch.is_tensor(q_offset) else q_offset
-        cells = first + torch.arange(Tq, device=q.device)[:, None]           # [Tq, 1] or [B, Tq, 1]
+        cells = first + torch.arange(Tq, device=q.device)[:, None]  # [Tq, 1] or [B, Tq, 1]
         causal = torch.arange(k0.shape[2], device=q.device) > cells
         s0 = s0.masked_fill(causal.unsqueeze(-3), float("-inf"))
         dk = [x.repeat_interleave(rep, 1) for x in cache.diag_k]
         dv = [x.repeat_interleave(rep, 1) for x in cache.diag_v]
-        sd = [((q * x).sum(-1) * scale)[..., None] for x in dk]              # [B, nh, Tq, 1] each
+        sd = [((q * x).sum(-1) * scale)[..., None] for x in dk]  # [B, nh, Tq, 1] each
         p = torch.softmax(torch.cat([s0, *sd], -1).float(), -1).to(q.dtype)
-        out = p[..., :s0.shape[-1]] @ v0
+        out = p[..., : s0.shape[-1]] @ v0
         for j, x in enumerate(dv):
             out = out + p[..., s0.shape[-1] + j, None] * x
         return out
@@ -252,8 +300,9 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, n_steps: int,
-                logits: bool = True) -> list:
+    def forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, embed: nn.Module, n_steps: int, logits: bool = True
+    ) -> list:
         """Training-time test over every cell at once: logits [B, T, Vd] of steps 0..n_steps-1 (or,
         with logits=False, the normed hidden states the lm_head would read, for a fused loss).
         Cell t at step k reads token x_{t+1+k} (teacher forcing) at RoPE position t+k."""
@@ -289,7 +338,9 @@ class Eagle3Drafter(nn.Module):
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.startswith("rotary.")]
         if missing or unexpected:
-            raise EaglenestError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+            raise EaglenestError(
+                f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})"
+            )
         return model.to(dtype)
 
 

@@ -4,6 +4,7 @@ grad clip, bf16 autocast, exact resume, DDP under torchrun (gloo on CPU, NCCL on
 A global step consumes `micro_batches` micro-batches; rank r of W takes every W-th of them, so
 any world size sees the same global batch and — with losses normalised by the global masked-token
 count — the same gradient."""
+
 import contextlib
 import json
 import logging
@@ -33,21 +34,22 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     """The `train` section of params.yaml, its one home: no defaults here (every stage, test and bench
     states every field); `from_params` names a missing or unknown key."""
+
     epochs: int
     lr: float
-    warmup: float            # fraction of all steps
+    warmup: float  # fraction of all steps
     weight_decay: float
     grad_clip: float
     ttt_steps: int
     decay: float
-    batch_tokens: int        # padded tokens per micro-batch
-    micro_batches: int       # per optimizer step, over all ranks
+    batch_tokens: int  # padded tokens per micro-batch
+    micro_batches: int  # per optimizer step, over all ranks
     seed: int
-    autocast: str            # auto (bf16 where supported) | bf16 | none
-    ckpt_every: int          # optimizer steps between checkpoints
+    autocast: str  # auto (bf16 where supported) | bf16 | none
+    ckpt_every: int  # optimizer steps between checkpoints
     device: str
-    attention: str           # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
-    compile: str             # auto (on CUDA) | true | false: torch.compile around the attention kernel
+    attention: str  # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
+    compile: str  # auto (on CUDA) | true | false: torch.compile around the attention kernel
     intermediate_size: int | None  # the drafter's MLP width; None = the target's
 
     @classmethod
@@ -74,8 +76,11 @@ class FrozenEmbedding(torch.nn.Module):
 # The modules that define the training arithmetic: this package, the packed-shard reader and the state
 # decoding (the train stage's code deps in dvc.yaml: eaglenest/drafter, data/packed.py, store/states.py).
 PACKAGE = Path(__file__).parent
-TRAINING_CODE = (*sorted(p.relative_to(PACKAGE.parent) for p in PACKAGE.glob("*.py")),
-                 Path("data/packed.py"), Path("store/states.py"))
+TRAINING_CODE = (
+    *sorted(p.relative_to(PACKAGE.parent) for p in PACKAGE.glob("*.py")),
+    Path("data/packed.py"),
+    Path("store/states.py"),
+)
 
 
 def training_code_digest() -> str:
@@ -99,7 +104,7 @@ def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
         x = split.get(i)
         lm, iv = np.asarray(x["loss_mask"], np.int64), np.asarray(x["in_vocab"], np.int64)
         for k in range(K):
-            out[k] += (lm[2 + k:] * iv[1 + k:len(lm) - 1]).sum()
+            out[k] += (lm[2 + k :] * iv[1 + k : len(lm) - 1]).sum()
     return out
 
 
@@ -118,8 +123,9 @@ class Trainer:
         self.train_split, self.val_split = PackedSplit(packed, "train"), PackedSplit(packed, "val")
         man = self.train_split.manifest
         if man["target_fingerprint"] != target.fingerprint:
-            raise EaglenestError(f"{packed}: packed for target {man['target_fingerprint'][:16]}, "
-                                 f"not {target.fingerprint[:16]}")
+            raise EaglenestError(
+                f"{packed}: packed for target {man['target_fingerprint'][:16]}, not {target.fingerprint[:16]}"
+            )
         vocab = load_vocab(packed)
         heads = load_heads(target)
         tcfg = json.loads((target.model_dir / "config.json").read_text())
@@ -141,28 +147,38 @@ class Trainer:
             self.model.compile_blocks()
         self.embed = FrozenEmbedding(heads["embed"]).to(self.device)
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
         self.K = cfg.ttt_steps
         if cfg.micro_batches % self.world:
-            raise EaglenestError(f"train.micro_batches {cfg.micro_batches} must be a multiple of the world size {self.world}")
+            raise EaglenestError(
+                f"train.micro_batches {cfg.micro_batches} must be a multiple of the world size {self.world}"
+            )
         self.steps_per_epoch = len(epoch_batches(self.train_split, 0, cfg.seed, cfg.batch_tokens)) // cfg.micro_batches
         if self.steps_per_epoch == 0:
             raise EaglenestError(f"too little training data for one step of {cfg.micro_batches} micro-batches")
         self.total_steps = self.steps_per_epoch * cfg.epochs
         fused = self.device.type == "cuda"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.95), fused=fused)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=fused
+        )
         warm = max(1, int(cfg.warmup * self.total_steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / self.total_steps))))
-        use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (
-            self.device.type == "cuda" or torch.backends.mkldnn.is_available()))
+            self.opt,
+            lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / self.total_steps))),
+        )
+        use_bf16 = cfg.autocast == "bf16" or (
+            cfg.autocast == "auto" and (self.device.type == "cuda" or torch.backends.mkldnn.is_available())
+        )
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         # the training code is part of the key: a checkpoint written by other code (a DVC rerun
         # after a code change) is never resumed as if it were this run
-        self.key = sha256_text(json.dumps(asdict(cfg), sort_keys=True), man["target_fingerprint"],
-                               json.dumps(man["shards"], sort_keys=True), str(self.world),
-                               training_code_digest())[:16]
+        self.key = sha256_text(
+            json.dumps(asdict(cfg), sort_keys=True),
+            man["target_fingerprint"],
+            json.dumps(man["shards"], sort_keys=True),
+            str(self.world),
+            training_code_digest(),
+        )[:16]
         self.state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [], "epochs": []}
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -175,17 +191,27 @@ class Trainer:
             return
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
-                    "state": self.state, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                                                 "python": random.getstate()}}, tmp)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "sched": self.sched.state_dict(),
+                "state": self.state,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            },
+            tmp,
+        )
         os.replace(tmp, self.ckpt_path)
 
     def maybe_resume(self) -> bool:
         if not self.ckpt_path.is_file():
             others = sorted(p.name for p in self.ckpt_dir.glob("last-*.pt")) if self.ckpt_dir.is_dir() else []
             if others and self.rank == 0:
-                log.info("not resuming %s (other config, data or training code); delete to free disk: %s",
-                         ", ".join(others), self.ckpt_dir)
+                log.info(
+                    "not resuming %s (other config, data or training code); delete to free disk: %s",
+                    ", ".join(others),
+                    self.ckpt_dir,
+                )
             return False
         ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
         self.model.load_state_dict(ck["model"])
@@ -195,7 +221,9 @@ class Trainer:
         torch.set_rng_state(ck["rng"]["torch"].cpu())  # map_location moved it to the device
         np.random.set_state(ck["rng"]["numpy"])
         random.setstate(ck["rng"]["python"])
-        log.info("resumed from %s at epoch %d step %d", self.ckpt_path, self.state["epoch"], self.state["step_in_epoch"])
+        log.info(
+            "resumed from %s at epoch %d step %d", self.ckpt_path, self.state["epoch"], self.state["step_in_epoch"]
+        )
         return True
 
     # --- steps ----------------------------------------------------------------------------------
@@ -209,7 +237,7 @@ class Trainer:
         """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's
         global mask counts): `fit` runs it for the next step while the GPU computes this one."""
         denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
-        batches = [collate(self.train_split, mb) for mb in micro[self.rank::self.world]]
+        batches = [collate(self.train_split, mb) for mb in micro[self.rank :: self.world]]
         if self.device.type == "cuda":
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return denom, batches
@@ -232,8 +260,9 @@ class Trainer:
             ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
             with ctx:
                 with self.autocast:
-                    loss, st = ttt_loss(self.ddp, self._to_dev(b), self.embed, self.head_sel, self.K, denom,
-                                        self.cfg.decay)
+                    loss, st = ttt_loss(
+                        self.ddp, self._to_dev(b), self.embed, self.head_sel, self.K, denom, self.cfg.decay
+                    )
                 (loss * self.world).backward()  # DDP averages over ranks; the loss is a global sum
             stats += st.float()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -247,10 +276,17 @@ class Trainer:
     def evaluate(self) -> dict:
         stats = torch.zeros(self.K, 3, device=self.device)
         batches = epoch_batches(self.val_split, 0, self.cfg.seed, self.cfg.batch_tokens)
-        for mb in batches[self.rank::self.world]:
+        for mb in batches[self.rank :: self.world]:
             with self.autocast:
-                _, st = ttt_loss(self.model, self._to_dev(collate(self.val_split, mb)), self.embed, self.head_sel,
-                                 self.K, [1.0] * self.K, self.cfg.decay)
+                _, st = ttt_loss(
+                    self.model,
+                    self._to_dev(collate(self.val_split, mb)),
+                    self.embed,
+                    self.head_sel,
+                    self.K,
+                    [1.0] * self.K,
+                    self.cfg.decay,
+                )
             stats += st.float()
         if self.world > 1:
             dist.all_reduce(stats)
@@ -258,9 +294,15 @@ class Trainer:
 
     def fit(self, on_epoch=None, stop_after_steps: int | None = None, progress: bool = True) -> dict:
         from tqdm import tqdm
+
         self.maybe_resume()
-        bar = tqdm(total=self.total_steps, initial=self.state["global_step"], unit="step", desc="train",
-                   disable=not progress or self.rank != 0)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.state["global_step"],
+            unit="step",
+            desc="train",
+            disable=not progress or self.rank != 0,
+        )
         loader = ThreadPoolExecutor(1, thread_name_prefix="batch-loader")  # the next step's batches
         try:
             return self._fit(on_epoch, stop_after_steps, bar, loader)
@@ -273,16 +315,17 @@ class Trainer:
             ep = self.state["epoch"]
             batches = epoch_batches(self.train_split, ep, self.cfg.seed, self.cfg.batch_tokens)
             M = self.cfg.micro_batches  # an incomplete tail step is dropped: every world size sees the same steps
-            steps = [batches[i:i + M] for i in range(0, len(batches) - M + 1, M)]
+            steps = [batches[i : i + M] for i in range(0, len(batches) - M + 1, M)]
             ep_stats = torch.zeros(self.K, 3, device=self.device)
             first = self.state["step_in_epoch"]
             for s, (micro, loaded) in enumerate(self.prefetched(steps[first:], loader), start=first):
                 st = self.train_step(micro, loaded)
                 ep_stats += st
                 tokens += sum(self.train_split.length(i) for mb in micro for i in mb)
-                loss = float(sum((self.cfg.decay ** k) * st[k, 0] / max(1.0, float(st[k, 2])) for k in range(self.K)))
-                self.state["history"].append({"step": self.state["global_step"], "loss": loss,
-                                              "lr": self.sched.get_last_lr()[0]})
+                loss = float(sum((self.cfg.decay**k) * st[k, 0] / max(1.0, float(st[k, 2])) for k in range(self.K)))
+                self.state["history"].append(
+                    {"step": self.state["global_step"], "loss": loss, "lr": self.sched.get_last_lr()[0]}
+                )
                 self.state["global_step"] += 1
                 self.state["step_in_epoch"] = s + 1
                 bar.update(1)
@@ -301,8 +344,12 @@ class Trainer:
                 on_epoch(summary)
         bar.close()
         elapsed = time.time() - t0
-        return {"epochs": self.state["epochs"], "history": self.state["history"],
-                "tokens_per_s": round(tokens / elapsed, 1) if tokens else None, "world_size": self.world}
+        return {
+            "epochs": self.state["epochs"],
+            "history": self.state["history"],
+            "tokens_per_s": round(tokens / elapsed, 1) if tokens else None,
+            "world_size": self.world,
+        }
 
 
 def summarize(stats: torch.Tensor) -> dict:
@@ -310,5 +357,10 @@ def summarize(stats: torch.Tensor) -> dict:
     s = stats.detach().cpu().double()
     acc = [float(s[k, 1] / max(1.0, s[k, 2])) for k in range(len(s))]
     ce = [float(s[k, 0] / max(1.0, s[k, 2])) for k in range(len(s))]
-    return {"loss": ce[0], "ce_per_step": ce, "acc_per_step": acc, "simulated_tau": simulated_acceptance(acc),
-            "tokens": int(s[0, 2])}
+    return {
+        "loss": ce[0],
+        "ce_per_step": ce,
+        "acc_per_step": acc,
+        "simulated_tau": simulated_acceptance(acc),
+        "tokens": int(s[0, 2]),
+    }

@@ -5,6 +5,7 @@ Cell t at step k: hidden input = the drafter's own h from step k-1 (fc(aux_t) at
 its own keys of steps 1..k. Teacher = softmax over the draft vocabulary of lm_head_T(final_{t+1+k}),
 the target's distribution of x_{t+2+k}; the mask is that of the predicted token x_{t+2+k}, and only
 positions whose teacher argmax lies in the draft vocabulary count. Loss = sum_k 0.8^k CE_k."""
+
 import torch
 
 from eaglenest.drafter.fused_loss import steps_linear_soft_ce, teacher_targets
@@ -17,8 +18,17 @@ def step_masks(batch: dict, K: int) -> list[torch.Tensor]:
     return [(shift(batch["loss_mask"], 2 + k) * shift(batch["in_vocab"], 1 + k)).float() for k in range(K)]
 
 
-def ttt_loss(drafter, batch: dict, embed, head_sel: torch.Tensor, K: int, denominators: list[float],
-             decay: float = 0.8, fused: bool = True, compile_kernel: bool = True):
+def ttt_loss(
+    drafter,
+    batch: dict,
+    embed,
+    head_sel: torch.Tensor,
+    K: int,
+    denominators: list[float],
+    decay: float = 0.8,
+    fused: bool = True,
+    compile_kernel: bool = True,
+):
     """Weighted loss whose per-step sums are divided by `denominators` (the step's masked-token count
     over the whole global batch, so micro-batches and ranks add up to one global mean).
     Returns (loss, stats) with per-step sums of CE, correct top-1 and mask. fused=True computes the
@@ -29,9 +39,15 @@ def ttt_loss(drafter, batch: dict, embed, head_sel: torch.Tensor, K: int, denomi
         teacher_p, teacher_top = teacher_targets(batch["final"], head_sel, K)
         hs = drafter(batch["aux"], batch["input_ids"], embed, K, logits=False)
         head = getattr(drafter, "module", drafter).lm_head.weight  # through a DDP wrapper too
-        return steps_linear_soft_ce(hs, head, teacher_p, teacher_top, torch.stack(masks),
-                                    [decay ** k / max(denominators[k], 1.0) for k in range(K)],
-                                    compile_kernel=compile_kernel)
+        return steps_linear_soft_ce(
+            hs,
+            head,
+            teacher_p,
+            teacher_top,
+            torch.stack(masks),
+            [decay**k / max(denominators[k], 1.0) for k in range(K)],
+            compile_kernel=compile_kernel,
+        )
     with torch.no_grad():
         teacher_logits = (batch["final"] @ head_sel.T.to(batch["final"].dtype)).float()
         teacher_p = torch.softmax(teacher_logits, -1)
@@ -41,7 +57,7 @@ def ttt_loss(drafter, batch: dict, embed, head_sel: torch.Tensor, K: int, denomi
         target = shift(teacher_p, 1 + k)
         m = masks[k]
         ce = soft_ce(logits, target)
-        loss = loss + (decay ** k) * (ce * m).sum() / max(denominators[k], 1.0)
+        loss = loss + (decay**k) * (ce * m).sum() / max(denominators[k], 1.0)
         correct = ((logits.argmax(-1) == shift(teacher_top, 1 + k)).float() * m).sum()
         stats.append(torch.stack([(ce.detach() * m).sum(), correct.detach(), m.sum()]))
     return loss, torch.stack(stats)

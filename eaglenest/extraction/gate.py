@@ -4,6 +4,7 @@ eager attention, one sequence at a time, no padding — and compare per token an
 Figures per tap: cosine (mean, min over tokens) and relative error ||s-r||/||r|| (mean, max).
 Beside each, the same figures against the ADJACENT reference tap (j+1; for `final`, the pre-norm
 state) so a reader sees the margin between precision noise and an off-by-one defect."""
+
 import logging
 
 import numpy as np
@@ -43,9 +44,11 @@ class Reference:
         x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(self.device)
         out = self.decoder(input_ids=x, output_hidden_states=True, use_cache=False)
         hs = out.hidden_states
-        ref = {"aux": torch.stack([hs[j] for j in self.taps], 2)[0].float().cpu(),
-               "aux_adjacent": torch.stack([hs[j + 1] for j in self.taps], 2)[0].float().cpu(),
-               "final": out.last_hidden_state[0].float().cpu()}
+        ref = {
+            "aux": torch.stack([hs[j] for j in self.taps], 2)[0].float().cpu(),
+            "aux_adjacent": torch.stack([hs[j + 1] for j in self.taps], 2)[0].float().cpu(),
+            "final": out.last_hidden_state[0].float().cpu(),
+        }
         if self._prenorm is not None:
             ref["final_adjacent"] = self._prenorm[0].float().cpu()
         return ref
@@ -67,8 +70,12 @@ def token_stats(stored: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def summarize(cos: torch.Tensor, rel: torch.Tensor) -> dict:
-    return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-            "rel_err_mean": float(rel.mean()), "rel_err_max": float(rel.max())}
+    return {
+        "cosine_mean": float(cos.mean()),
+        "cosine_min": float(cos.min()),
+        "rel_err_mean": float(rel.mean()),
+        "rel_err_max": float(rel.max()),
+    }
 
 
 def run_gate(read_sample, sample_ids: list, ref: Reference, thresholds: dict) -> tuple[dict, bool]:
@@ -110,10 +117,12 @@ def run_gate(read_sample, sample_ids: list, ref: Reference, thresholds: dict) ->
             metrics["margin"][name] = s
             continue
         metrics["taps"][name] = s
-        checks = [("cosine_mean", s["cosine_mean"] >= th["min_cosine_mean"], "min_cosine_mean"),
-                  ("cosine_min", s["cosine_min"] >= th["min_cosine_token"], "min_cosine_token"),
-                  ("rel_err_mean", s["rel_err_mean"] <= th["max_rel_err_mean"], "max_rel_err_mean"),
-                  ("rel_err_max", s["rel_err_max"] <= th["max_rel_err_token"], "max_rel_err_token")]
+        checks = [
+            ("cosine_mean", s["cosine_mean"] >= th["min_cosine_mean"], "min_cosine_mean"),
+            ("cosine_min", s["cosine_min"] >= th["min_cosine_token"], "min_cosine_token"),
+            ("rel_err_mean", s["rel_err_mean"] <= th["max_rel_err_mean"], "max_rel_err_mean"),
+            ("rel_err_max", s["rel_err_max"] <= th["max_rel_err_token"], "max_rel_err_token"),
+        ]
         failures += [f"{name}: {fig}={s[fig]:.4f} violates {t}={th[t]}" for fig, ok, t in checks if not ok]
     metrics["passed"] = not failures
     metrics["failures"] = failures

@@ -7,6 +7,7 @@ background writer (`writers`, `store.shard_writer`: temp name, fsync, rename), t
 (temp + fsync + rename). A manifest commits a piece; a restart keeps committed pieces and
 extracts only the rest. After the validation gate passes, the index is written and the store
 is renamed into the output in one step; a failed gate commits nothing."""
+
 import concurrent.futures
 import logging
 import os
@@ -32,8 +33,15 @@ from eaglenest.extraction.writers import PieceWriter
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
 from eaglenest.store.bf16 import from_bits
-from eaglenest.store.hidden_store import (SCHEMA_VERSION, TAP_SEMANTICS, HiddenStore, Layout, create_arrays,
-                                          write_checksums, write_index)
+from eaglenest.store.hidden_store import (
+    SCHEMA_VERSION,
+    TAP_SEMANTICS,
+    HiddenStore,
+    Layout,
+    create_arrays,
+    write_checksums,
+    write_index,
+)
 from eaglenest.store.shard_writer import BufferPool
 from eaglenest.target import Target
 
@@ -58,8 +66,7 @@ def _open_work_store(work: WorkDir, layout: Layout, n_pieces: int, attrs: dict) 
             raise EaglenestError(f"{work.store}: work store belongs to another extraction; delete it")
         return group
     if work.path.exists():
-        log.warning("%s: the work dir was never completely created (a crash or a full disk); rebuilding it",
-                    work.path)
+        log.warning("%s: the work dir was never completely created (a crash or a full disk); rebuilding it", work.path)
     work.reset()  # nothing is committed before the store is complete: start clean
     group = zarr.open_group(str(work.store), mode="w", attributes=attrs)
     create_arrays(group, layout, n_pieces)
@@ -74,9 +81,24 @@ def extract_part(*, part: str, work_root: Path, out_dir: Path, **kw) -> dict:
         return _extract_part(part=part, work_root=work_root, out_dir=out_dir, **kw)
 
 
-def _extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: list[int], dtype: str,
-                  revision, layout_cfg: dict, validate_cfg: dict, out_dir: Path, work_root: Path,
-                  batch_tokens: int, max_seq_len: int, progress: bool = True, writers: int | None = None) -> dict:
+def _extract_part(
+    *,
+    part: str,
+    tokenized: Path,
+    target: Target,
+    backend,
+    taps: list[int],
+    dtype: str,
+    revision,
+    layout_cfg: dict,
+    validate_cfg: dict,
+    out_dir: Path,
+    work_root: Path,
+    batch_tokens: int,
+    max_seq_len: int,
+    progress: bool = True,
+    writers: int | None = None,
+) -> dict:
     t0 = time.time()
     names, seqs = read_tokenized(tokenized)
     if not seqs:
@@ -92,11 +114,23 @@ def _extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: 
     work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)))
     work = WorkDir(work_root, part, work_key)
     pieces = plan_pieces(lengths, layout.shard_tokens)
-    attrs = {"schema_version": SCHEMA_VERSION, "part": part, "target_fingerprint": target.fingerprint,
-             "extractor": info, "extractor_fingerprint": efp, "taps": taps, "tap_semantics": TAP_SEMANTICS,
-             "dtype": "bfloat16", "storage": state_format.describe(layout.states),
-             "hidden_size": target.hidden_size, "max_seq_len": max_seq_len, "layout": asdict(layout),
-             "input_sha256": input_sha, "work_key": work_key, "device": described.get("device")}
+    attrs = {
+        "schema_version": SCHEMA_VERSION,
+        "part": part,
+        "target_fingerprint": target.fingerprint,
+        "extractor": info,
+        "extractor_fingerprint": efp,
+        "taps": taps,
+        "tap_semantics": TAP_SEMANTICS,
+        "dtype": "bfloat16",
+        "storage": state_format.describe(layout.states),
+        "hidden_size": target.hidden_size,
+        "max_seq_len": max_seq_len,
+        "layout": asdict(layout),
+        "input_sha256": input_sha,
+        "work_key": work_key,
+        "device": described.get("device"),
+    }
     _open_work_store(work, layout, len(pieces), attrs)
     done = work.committed()
     pending = [p for p in pieces if p.index not in done]
@@ -114,11 +148,21 @@ def _extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: 
     # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
     freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
     try:
-        with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract {part}", disable=not progress,
-                  smoothing=0.1) as bar, ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
+        with (
+            tqdm(
+                total=todo_tokens,
+                unit="tok",
+                unit_scale=True,
+                desc=f"extract {part}",
+                disable=not progress,
+                smoothing=0.1,
+            ) as bar,
+            ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill,
+        ):
             try:
-                clock = _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill,
-                                    writer, pool)
+                clock = _run_pieces(
+                    pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
+                )
                 t_drain = time.perf_counter()
             finally:
                 try:
@@ -137,14 +181,22 @@ def _extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: 
         stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
         raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
         metrics = {
-            "part": part, "samples": len(seqs), "tokens": sum(lengths), "pieces": len(pieces),
-            "pieces_resumed": len(done), "tokens_extracted_now": todo_tokens,
-            "extract_seconds": round(compute_s, 2), "total_seconds": round(time.time() - t0, 2),
+            "part": part,
+            "samples": len(seqs),
+            "tokens": sum(lengths),
+            "pieces": len(pieces),
+            "pieces_resumed": len(done),
+            "tokens_extracted_now": todo_tokens,
+            "extract_seconds": round(compute_s, 2),
+            "total_seconds": round(time.time() - t0, 2),
             "tokens_per_s": round(todo_tokens / compute_s, 1) if todo_tokens else None,
-            "stored_bytes": stored_bytes, "bytes_per_token": round(stored_bytes / sum(lengths), 1),
+            "stored_bytes": stored_bytes,
+            "bytes_per_token": round(stored_bytes / sum(lengths), 1),
             "compression_ratio": round(raw / max(1, stored_bytes), 3),
             "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
-            "extractor_fingerprint": efp, "host_path": host_path, "validation": gate_metrics,
+            "extractor_fingerprint": efp,
+            "host_path": host_path,
+            "validation": gate_metrics,
         }
         if not passed:
             metrics["committed"] = False
@@ -157,8 +209,9 @@ def _extract_part(*, part: str, tokenized: Path, target: Target, backend, taps: 
             freeing.join()
 
 
-def _host_path_report(part: str, clock: dict, writer: PieceWriter, writers: int, drain_s: float,
-                      compute_s: float) -> dict:
+def _host_path_report(
+    part: str, clock: dict, writer: PieceWriter, writers: int, drain_s: float, compute_s: float
+) -> dict:
     """Where the extraction loop's time went, and which side bounds it: a loop that mostly waits on
     the backend is compute-bound (as it should be); one that waits on the writers is store-bound."""
     out = {k: round(v, 2) for k, v in {**clock, "drain_writers_s": drain_s}.items()}
@@ -169,33 +222,53 @@ def _host_path_report(part: str, clock: dict, writer: PieceWriter, writers: int,
     backend_s = clock["wait_backend_s"] + clock["launch_s"]
     out["bound_by"] = "store" if store_wait > 0.1 * compute_s else "backend"  # >10 %: writers hold it back
     busy = writer.seconds
-    log.info("%s: host path: the loop spent %.1f s launching + waiting on the backend, %.1f s on the "
-             "writers (+%.1f s draining them); %d writers %.0f%% busy; summed over pieces: fill copies %.1f s, "
-             "digest %.1f s, encode %.1f s, write+fsync %.1f s -> %s-bound", part, backend_s,
-             clock["wait_writers_s"], drain_s, writers, 100 * out["writer_utilisation"], busy["fill_s"],
-             busy["digest_s"], busy["encode_s"], busy["write_s"], out["bound_by"])
+    log.info(
+        "%s: host path: the loop spent %.1f s launching + waiting on the backend, %.1f s on the "
+        "writers (+%.1f s draining them); %d writers %.0f%% busy; summed over pieces: fill copies %.1f s, "
+        "digest %.1f s, encode %.1f s, write+fsync %.1f s -> %s-bound",
+        part,
+        backend_s,
+        clock["wait_writers_s"],
+        drain_s,
+        writers,
+        100 * out["writer_utilisation"],
+        busy["fill_s"],
+        busy["digest_s"],
+        busy["encode_s"],
+        busy["write_s"],
+        out["bound_by"],
+    )
     if out["bound_by"] == "store":
-        log.warning("%s: the store path bounds extraction: more writers (extract.writers), store.codec none, "
-                    "or a faster disk under extract.work_dir", part)
+        log.warning(
+            "%s: the store path bounds extraction: more writers (extract.writers), store.codec none, "
+            "or a faster disk under extract.work_dir",
+            part,
+        )
     return out
 
 
 class GateFailed(EaglenestError):
     def __init__(self, metrics: dict):
         self.metrics = metrics
-        super().__init__(f"part {metrics['part']}: validation gate FAILED, nothing committed: "
-                         + "; ".join(metrics["validation"]["failures"]))
+        super().__init__(
+            f"part {metrics['part']}: validation gate FAILED, nothing committed: "
+            + "; ".join(metrics["validation"]["failures"])
+        )
 
 
 def _launch(backend, batch: list[int], seqs, names, piece: Piece):
     """Start one batch; returns a callable that waits for its outputs. A backend with
     `extract_async` (hf) computes while the caller copies the previous batch out."""
+
     def named(fn, *a):
         try:
             return fn(*a)
         except SampleFailed as e:
-            raise EaglenestError(f"sample {names[batch[e.position]]!r} (part piece {piece.index}): {e.reason}. "
-                                 f"Committed pieces are kept; rerun to resume.") from None
+            raise EaglenestError(
+                f"sample {names[batch[e.position]]!r} (part piece {piece.index}): {e.reason}. "
+                f"Committed pieces are kept; rerun to resume."
+            ) from None
+
     launch = getattr(backend, "extract_async", None)
     if launch is None:
         outs = named(backend.extract, [seqs[i] for i in batch])
@@ -232,10 +305,11 @@ class _PieceFill:
             for i, out in items:
                 o, n = self.start[i], lengths[i]
                 stored = out if isinstance(out, dict) else state_format.encode(*out, states)
-                arr["input_ids"][o:o + n] = seqs[i]
+                arr["input_ids"][o : o + n] = seqs[i]
                 for name, a in state_format.as_numpy(stored, states).items():
-                    arr[name][o:o + n] = a
+                    arr[name][o : o + n] = a
             return time.perf_counter() - t
+
         self.copies.append(fill.submit(copy_in, list(zip(batch, outs))))
 
     def settle(self) -> None:
@@ -251,8 +325,16 @@ class _PieceFill:
         p, lengths = self.piece, self.lengths
         self.bufs.pad_from(sum(lengths[i] for i in p.samples))  # samples sit back to back from row 0
         base = p.index * self.layout.shard_tokens
-        rows = [{"id": self.names[i], "key": self.keys[i], "start": base + self.start[i], "length": lengths[i],
-                 "piece": p.index} for i in p.samples]  # the writer adds each digest
+        rows = [
+            {
+                "id": self.names[i],
+                "key": self.keys[i],
+                "start": base + self.start[i],
+                "length": lengths[i],
+                "piece": p.index,
+            }
+            for i in p.samples
+        ]  # the writer adds each digest
         return rows, fill_s
 
 
@@ -263,8 +345,14 @@ def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_toke
     seconds: on the backend (compute-bound) or on the writers (store-bound); launch_s = launching
     batches (all of the compute for a backend without `extract_async`)."""
     clock = {"launch_s": 0.0, "wait_backend_s": 0.0, "wait_writers_s": 0.0}
-    work = iter([(p, b, j == len(bs) - 1) for p in pending
-                 for bs in [length_batches(p.samples, lengths, batch_tokens)] for j, b in enumerate(bs)])
+    work = iter(
+        [
+            (p, b, j == len(bs) - 1)
+            for p in pending
+            for bs in [length_batches(p.samples, lengths, batch_tokens)]
+            for j, b in enumerate(bs)
+        ]
+    )
 
     def start(item):
         if item is None:
@@ -273,6 +361,7 @@ def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_toke
         launched = (*item, _launch(backend, item[1], seqs, names, item[0]))
         clock["launch_s"] += time.perf_counter() - t  # a backend without extract_async computes here
         return launched
+
     current, inflight = None, start(next(work, None))
     try:
         while inflight is not None:
@@ -315,9 +404,13 @@ def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> t
     metrics["sample_ids"] = [store.index[i]["id"] for i in chosen]
     metrics["seed"] = seed
     metrics["seconds"] = round(time.time() - t, 2)
-    log.info("validation gate %s on %d samples / %d tokens: %s", "passed" if passed else "FAILED",
-             metrics["samples"], metrics["tokens"],
-             ", ".join(f"{k} cos {v['cosine_mean']:.5f} rel {v['rel_err_mean']:.4f}" for k, v in metrics["taps"].items()))
+    log.info(
+        "validation gate %s on %d samples / %d tokens: %s",
+        "passed" if passed else "FAILED",
+        metrics["samples"],
+        metrics["tokens"],
+        ", ".join(f"{k} cos {v['cosine_mean']:.5f} rel {v['rel_err_mean']:.4f}" for k, v in metrics["taps"].items()),
+    )
     return metrics, passed
 
 

@@ -1,5 +1,6 @@
 """Deterministic packing of samples into pieces (one zarr shard each) and of a piece's samples
 into length-bucketed batches. Deterministic, so a restarted extraction rebuilds the same plan."""
+
 from dataclasses import dataclass
 
 

@@ -10,6 +10,7 @@ finished store without ever destroying the previous good one first.
 Work dirs are 0700 (created by this user for this user: nothing in them is meant for others) and
 owned exactly: a part's clean-up matches `<part>-<20 hex>` only, never another part whose name
 starts with this one's (`chat` and `chat-v2`)."""
+
 import fcntl
 import json
 import logging
@@ -78,8 +79,9 @@ def part_lock(root: Path, part: str):
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise EaglenestError(f"part {part} is being extracted by PID {holder} (lock {path}); wait for that "
-                                 f"run or stop it") from None
+            raise EaglenestError(
+                f"part {part} is being extracted by PID {holder} (lock {path}); wait for that run or stop it"
+            ) from None
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 break
@@ -102,8 +104,9 @@ def check_writable(out_dir: Path) -> None:
     while not probe.exists():
         probe = probe.parent
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise EaglenestError(f"{probe}: not writable, so {out_dir} could not be published there (permissions?); "
-                             f"nothing was extracted")
+        raise EaglenestError(
+            f"{probe}: not writable, so {out_dir} could not be published there (permissions?); nothing was extracted"
+        )
 
 
 def publish(store: Path, out_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """The background piece writers of an extraction: threads, each handing its piece to a writer
 process when there are several (spawned, dying with their parent: `store.shard_writer.writer_init`)."""
+
 import os
 import queue
 import threading
@@ -26,8 +27,14 @@ class PieceWriter:
         self.error: BaseException | None = None
         self.bytes_written = 0
         # seconds summed over pieces (writers run in parallel): where the store path spends its time
-        self.seconds = {"wait_fill_s": 0.0, "fill_s": 0.0, "digest_s": 0.0, "encode_s": 0.0, "write_s": 0.0,
-                        "piece_s": 0.0}
+        self.seconds = {
+            "wait_fill_s": 0.0,
+            "fill_s": 0.0,
+            "digest_s": 0.0,
+            "encode_s": 0.0,
+            "write_s": 0.0,
+            "piece_s": 0.0,
+        }
         self.lock = threading.Lock()
         self.pool = None
         if processes:
@@ -35,14 +42,19 @@ class PieceWriter:
 
             # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
             # current piece is written (`writer_init`): same bytes as the resumed run writes.
-            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=writer_init, initargs=(os.getpid(),))
+            self.pool = ProcessPoolExecutor(
+                workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=writer_init,
+                initargs=(os.getpid(),),
+            )
             # start every writer now, while the model loads: spawn re-imports the main module (torch
             # included), ~4 s per writer on the H200 host, which each one's first piece waited for
             for _ in range(workers):
                 self.pool.submit(import_piece_io)
-        self.threads = [threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True)
-                        for i in range(workers)]
+        self.threads = [
+            threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True) for i in range(workers)
+        ]
         for t in self.threads:
             t.start()
 
@@ -84,8 +96,9 @@ class PieceWriter:
                 filled = {"wait_fill_s": time.perf_counter() - t, "fill_s": fill_s}
                 t = time.perf_counter()
                 if self.pool is not None:
-                    digests, written, phases = self.pool.submit(write_piece_shared, str(self.work.store), index,
-                                                                self.layout, bufs.spec, rows).result()
+                    digests, written, phases = self.pool.submit(
+                        write_piece_shared, str(self.work.store), index, self.layout, bufs.spec, rows
+                    ).result()
                 else:
                     digests, written, phases = write_piece(self.work.store, index, self.layout, bufs.arrays, rows)
                 for r, d in zip(rows, digests):  # the digest of the exact bytes stored
@@ -99,7 +112,8 @@ class PieceWriter:
             except OSError as e:
                 self.error = EaglenestError(
                     f"writing piece {index} of part {self.work.part} under {self.work.path} failed: {e} "
-                    f"(disk full or a size limit?). Committed pieces are kept; free space and rerun to resume.")
+                    f"(disk full or a size limit?). Committed pieces are kept; free space and rerun to resume."
+                )
             except BaseException as e:  # noqa: BLE001 - surfaced to the main thread
                 self.error = e
             finally:

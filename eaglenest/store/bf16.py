@@ -1,5 +1,6 @@
 """bfloat16 <-> uint16 bit patterns. zarr has no bfloat16 type, so stores keep the raw bits as
 uint16 and declare the meaning in attributes; the round trip is bit-exact by construction."""
+
 import numpy as np
 import torch
 

@@ -16,6 +16,7 @@ chunk carries a crc32c (and zarr checksums each shard index), so a flipped byte 
 shard, padding included, fails the read of the sample it sits in; metadata is covered by
 checksums.json, checked on every open.
 """
+
 import json
 import logging
 from dataclasses import dataclass
@@ -37,10 +38,20 @@ log = logging.getLogger(__name__)
 
 INDEX = "index.parquet"
 CHECKSUMS = "checksums.json"
-INDEX_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.string()), ("start", pa.int64()),
-                          ("length", pa.int32()), ("digest", pa.string()), ("piece", pa.int32())])
-TAP_SEMANTICS = ("tap j = HF outputs.hidden_states[j] = residual stream entering decoder layer j "
-                 "(0 = embeddings); final = last layer output after the final norm (lm_head input)")
+INDEX_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("key", pa.string()),
+        ("start", pa.int64()),
+        ("length", pa.int32()),
+        ("digest", pa.string()),
+        ("piece", pa.int32()),
+    ]
+)
+TAP_SEMANTICS = (
+    "tap j = HF outputs.hidden_states[j] = residual stream entering decoder layer j "
+    "(0 = embeddings); final = last layer output after the final norm (lm_head input)"
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +65,16 @@ class Layout:
     states: str = "bf16"  # state_format: bf16 | fp8
 
     @staticmethod
-    def for_sizes(hidden: int, n_aux: int, chunk_mb: float, shard_mb: float, codec: str, level: int,
-                  max_seq_len: int, states: str = "bf16") -> "Layout":
+    def for_sizes(
+        hidden: int,
+        n_aux: int,
+        chunk_mb: float,
+        shard_mb: float,
+        codec: str,
+        level: int,
+        max_seq_len: int,
+        states: str = "bf16",
+    ) -> "Layout":
         spec = state_format.arrays(states, n_aux, hidden)
         row = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in spec.values())  # stored bytes per token
         chunk = max(16, int(chunk_mb * 2**20 / (n_aux * hidden * spec["aux"][1].itemsize)) // 16 * 16)
@@ -88,8 +107,16 @@ def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
     rows, C, S = n_pieces * layout.shard_tokens, layout.chunk_tokens, layout.shard_tokens
     comp = _compressors(layout)
     for name, (row, dtype) in layout.arrays().items():
-        group.create_array(name, shape=(rows, *row), chunks=(C, *row), shards=(S, *row), dtype=dtype,
-                           compressors=comp, fill_value=fill_value(name), overwrite=True)
+        group.create_array(
+            name,
+            shape=(rows, *row),
+            chunks=(C, *row),
+            shards=(S, *row),
+            dtype=dtype,
+            compressors=comp,
+            fill_value=fill_value(name),
+            overwrite=True,
+        )
 
 
 def array_names(states: str) -> list[str]:
@@ -124,8 +151,11 @@ def _states(path: Path) -> str:
 
 def write_checksums(path: Path) -> None:
     """Commit a finished store: digests of its metadata files, written last and durably."""
-    write_json(Path(path) / CHECKSUMS, {f: content_digest((Path(path) / f).read_bytes())
-                                        for f in metadata_files(_states(path))}, durable=True)
+    write_json(
+        Path(path) / CHECKSUMS,
+        {f: content_digest((Path(path) / f).read_bytes()) for f in metadata_files(_states(path))},
+        durable=True,
+    )
 
 
 def check_checksums(path: Path) -> None:
@@ -140,6 +170,7 @@ def check_checksums(path: Path) -> None:
     def check(f: str) -> None:
         if not (path / f).is_file() or content_digest((path / f).read_bytes()) != expected.get(f):
             raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
+
     check("zarr.json")  # first: it names the state format, hence the other files
     for f in metadata_files(_states(path))[1:]:
         check(f)
@@ -180,11 +211,15 @@ class HiddenStore:
         try:
             stored = {n: a[sl] for n, a in self.arrays.items()}
         except Exception as e:  # crc32c, codec or shard-index checksum failure
-            raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
-                                 f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
+            raise EaglenestError(
+                f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
+                f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}"
+            ) from None
         if sample_digest(stored) != r["digest"]:
-            raise EaglenestError(f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
-                                 f"digest mismatch: stored bytes are corrupt")
+            raise EaglenestError(
+                f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
+                f"digest mismatch: stored bytes are corrupt"
+            )
         return stored.pop("input_ids"), stored
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,6 +235,7 @@ class HiddenStore:
 def verify_store(path: Path, progress: bool = True) -> list[str]:
     """Re-hash every sample; return one message per bad sample (empty list: all match)."""
     from tqdm import tqdm
+
     try:
         store = HiddenStore(path)
     except EaglenestError as e:

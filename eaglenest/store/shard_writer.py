@@ -4,6 +4,7 @@ equal to the fill value left out, as zarr does), the shard index appended (offse
 + crc32c, the file written under a temp name, fsynced and renamed. zarr only reads these shards:
 its per-process event loop held a writer to a few hundred MB/s. Runs in a writer thread, or in a
 writer PROCESS over shared-memory buffers, so a many-core GPU host encodes pieces in parallel."""
+
 import atexit
 import errno
 import logging
@@ -44,8 +45,11 @@ class PieceBuffers:
                 self.arrays[name] = np.ndarray(shapes[name], dtype=dtype, buffer=self.shm[name].buf)
             else:
                 self.arrays[name] = np.empty(shapes[name], dtype=dtype)
-        self.spec = {name: (self.shm[name].name, shapes[name], a.dtype.str)
-                     for name, a in self.arrays.items()} if shared else None
+        self.spec = (
+            {name: (self.shm[name].name, shapes[name], a.dtype.str) for name, a in self.arrays.items()}
+            if shared
+            else None
+        )
 
     def pad_from(self, row: int) -> None:
         """Rows past the last sample hold the fill values (ids -1, states 0)."""
@@ -83,7 +87,7 @@ def sweep_stale_shm(root: Path = Path("/dev/shm")) -> int:
     n = 0
     for p in root.glob(f"{SHM_PREFIX}*-*"):
         try:
-            pid = int(p.name[len(SHM_PREFIX):].split("-")[0])
+            pid = int(p.name[len(SHM_PREFIX) :].split("-")[0])
             os.kill(pid, 0)
         except ProcessLookupError:
             p.unlink(missing_ok=True)
@@ -139,12 +143,13 @@ def encode_shard(a: np.ndarray, chunk_rows: int, codec: str, level: int, fill: i
     (zarr then has no file). Chunks split axis 0 only, so zarr's morton order is plain order."""
     if codec == "zstd":
         from numcodecs import Zstd
+
         zstd = Zstd(level=level)
     n = a.shape[0] // chunk_rows
     index = np.full((n, 2), EMPTY, dtype="<u8")
     parts, offset = [], 0
     for i in range(n):
-        c = np.ascontiguousarray(a[i * chunk_rows:(i + 1) * chunk_rows]).astype(a.dtype.newbyteorder("<"), copy=False)
+        c = np.ascontiguousarray(a[i * chunk_rows : (i + 1) * chunk_rows]).astype(a.dtype.newbyteorder("<"), copy=False)
         if (c == fill).all():  # zarr leaves such a chunk out (write_empty_chunks false)
             continue
         b = zstd.encode(c) if codec == "zstd" else c.reshape(-1).view(np.uint8)
@@ -186,12 +191,12 @@ def _write_direct(tmp: Path, parts: list, size: int) -> bool:
     try:
         for p in parts:
             b = memoryview(p).cast("B")
-            view[o:o + len(b)] = b
+            view[o : o + len(b)] = b
             o += len(b)
         view[size:padded] = bytes(padded - size)
         o = 0
         while o < padded:
-            o += os.write(fd, view[o:min(padded, o + (1 << 30))])
+            o += os.write(fd, view[o : min(padded, o + (1 << 30))])
         os.ftruncate(fd, size)  # the block padding off again
         os.fsync(fd)  # the metadata (size, extents) and the device cache
     except OSError as e:
@@ -226,8 +231,9 @@ def _write_file(path: Path, parts: list, direct: bool) -> int:
     return size
 
 
-def write_piece(store: Path, index: int, layout: Layout, arrays: dict[str, np.ndarray],
-                rows: list[dict], direct: bool = True) -> tuple[list[str], int, dict]:
+def write_piece(
+    store: Path, index: int, layout: Layout, arrays: dict[str, np.ndarray], rows: list[dict], direct: bool = True
+) -> tuple[list[str], int, dict]:
     """`arrays`: the piece's rows of every stored array (`PieceBuffers.arrays`). Returns (digest per
     row, bytes written, seconds per phase: digest / encode / write incl. fsync and rename). The
     caller commits the piece's manifest afterwards. direct: O_DIRECT where the filesystem takes it
@@ -237,7 +243,7 @@ def write_piece(store: Path, index: int, layout: Layout, arrays: dict[str, np.nd
     digests = []
     for r in rows:
         o, n = r["start"] - index * S, r["length"]
-        digests.append(sample_digest({name: a[o:o + n] for name, a in arrays.items()}))
+        digests.append(sample_digest({name: a[o : o + n] for name, a in arrays.items()}))
     phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0}
     written = 0
     for name, path in shard_files(Path(store), index, layout).items():
@@ -262,10 +268,12 @@ def writer_init(parent: int) -> None:
     (2) It dies with its parent: a watcher sees the parent gone (SIGKILL runs no exit path there),
     lets the piece being written finish (its bytes are what a resumed run writes), and exits; its
     end closes the resource tracker's last pipe, so the tracker exits too."""
+
     def bye():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
     atexit.register(bye)  # atexit runs handlers last-registered first: this one before the teardown
 
     def watch():
@@ -273,6 +281,7 @@ def writer_init(parent: int) -> None:
             time.sleep(0.2)
         with _writing:
             os._exit(0)
+
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
@@ -283,8 +292,9 @@ def import_piece_io() -> None:
 _attached: dict[str, shared_memory.SharedMemory] = {}  # in a writer process: pooled buffers stay mapped
 
 
-def write_piece_shared(store: str, index: int, layout: Layout, spec: dict,
-                       rows: list[dict]) -> tuple[list[str], int, dict]:
+def write_piece_shared(
+    store: str, index: int, layout: Layout, spec: dict, rows: list[dict]
+) -> tuple[list[str], int, dict]:
     """`write_piece` in a writer process, reading the piece from the parent's shared memory. The
     mapping is kept: the parent reuses its buffers, so later pieces read already-mapped pages."""
     with _writing:

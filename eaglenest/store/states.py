@@ -7,6 +7,7 @@
 
 Readers always get bf16 back (`decode`), so pack, the gate and training never see the format.
 The digest covers the arrays as stored (scales included)."""
+
 import numpy as np
 import torch
 
@@ -26,14 +27,20 @@ def arrays(states: str, n_aux: int, hidden: int) -> dict[str, tuple[tuple, np.dt
     """The stored state arrays of a format: name -> (shape of one token's row, dtype), in digest order."""
     if check(states) == "bf16":
         return {"aux": ((n_aux, hidden), np.dtype(np.uint16)), "final": ((hidden,), np.dtype(np.uint16))}
-    return {"aux": ((n_aux, hidden), np.dtype(np.uint8)), "aux_scale": ((n_aux,), np.dtype(np.float32)),
-            "final": ((hidden,), np.dtype(np.uint8)), "final_scale": ((), np.dtype(np.float32))}
+    return {
+        "aux": ((n_aux, hidden), np.dtype(np.uint8)),
+        "aux_scale": ((n_aux,), np.dtype(np.float32)),
+        "final": ((hidden,), np.dtype(np.uint8)),
+        "final_scale": ((), np.dtype(np.float32)),
+    }
 
 
 def describe(states: str) -> str:
-    return {"bf16": "aux/final: uint16 bit patterns of bfloat16 (view as bfloat16)",
-            "fp8": "aux/final: uint8 bit patterns of float8_e4m3fn; state = value x <name>_scale "
-                   "(float32 per token and tap, amax/448)"}[states]
+    return {
+        "bf16": "aux/final: uint16 bit patterns of bfloat16 (view as bfloat16)",
+        "fp8": "aux/final: uint8 bit patterns of float8_e4m3fn; state = value x <name>_scale "
+        "(float32 per token and tap, amax/448)",
+    }[states]
 
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

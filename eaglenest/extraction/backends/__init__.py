@@ -3,6 +3,7 @@
 `close()`. A sample that fails for good raises `SampleFailed(position_in_batch, reason)`. The hf
 backend, built with `states="fp8"`, hands over each sample's stored arrays instead (a dict from
 `state_format.encode`, quantized on its device); extract quantizes other backends' bf16 states."""
+
 from eaglenest.errors import EaglenestError
 
 
@@ -17,8 +18,10 @@ class SampleFailed(EaglenestError):
 def make_backend(name: str, **kwargs):
     if name == "hf":
         from .hf import HFBackend
+
         return HFBackend(**kwargs)
     if name == "sglang":
         from .sglang_client import SGLangBackend
+
         return SGLangBackend(**kwargs)
     raise EaglenestError(f"extract.backend {name!r} is not supported (supported: hf, sglang)")

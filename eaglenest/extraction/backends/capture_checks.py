@@ -4,6 +4,7 @@ does not hold every prompt position computed in one plain prefill, so it is neve
 A server's response is untrusted input: the receipt's fields are type-checked, and the only file the
 client ever reads or deletes for a request is `<capture dir>/<its rid>.safetensors`, a regular file
 in the directory the client created or was given; a receipt naming any other path stops the stage."""
+
 import os
 import stat
 from pathlib import Path
@@ -34,12 +35,16 @@ def check_receipt(meta: dict, n_sent: int, taps: list[int], expected: Path) -> d
         raise CaptureRejected(f"meta_info is a {type(meta).__name__}, not an object")
     cached = meta.get("cached_tokens", 0) or 0
     if cached != 0:
-        raise CaptureRejected(f"cached_tokens={cached}: part of the prompt came from the prefix cache "
-                              f"(server started without --disable-radix-cache?)")
+        raise CaptureRejected(
+            f"cached_tokens={cached}: part of the prompt came from the prefix cache "
+            f"(server started without --disable-radix-cache?)"
+        )
     receipts = meta.get(RECEIPT_KEY)
     if not receipts:
-        raise CaptureRejected("no hs_capture receipt in meta_info: the server does not run the eaglenest capture "
-                              "plugin (start it with `python -m sglang_patch.launch`)")
+        raise CaptureRejected(
+            "no hs_capture receipt in meta_info: the server does not run the eaglenest capture "
+            "plugin (start it with `python -m sglang_patch.launch`)"
+        )
     if len(receipts) != 1 or receipts[0] is None:
         raise CaptureRejected(f"{len(receipts)} capture receipts for one request (chunked prefill?)")
     if not isinstance(receipts, list):
@@ -52,21 +57,29 @@ def check_receipt(meta: dict, n_sent: int, taps: list[int], expected: Path) -> d
             raise CaptureRejected(f"capture receipt field {key!r} is {rc.get(key)!r}, not a {typ.__name__}")
     if Path(rc["path"]).resolve() != expected:
         # not a flaky capture: a server that names other files is misconfigured or hostile
-        raise EaglenestError(f"SGLang server's capture receipt names {rc['path']!r}, but this request's capture can "
-                             f"only be {expected}; refusing to read or delete it (is the server's --capture-dir "
-                             f"{expected.parent}?)")
+        raise EaglenestError(
+            f"SGLang server's capture receipt names {rc['path']!r}, but this request's capture can "
+            f"only be {expected}; refusing to read or delete it (is the server's --capture-dir "
+            f"{expected.parent}?)"
+        )
     prompt = meta.get("prompt_tokens")
     if not rc["n_positions"] == prompt == n_sent:
-        raise CaptureRejected(f"captured {rc['n_positions']} positions, prompt_tokens={prompt}, sent {n_sent} "
-                              f"(chunked prefill or truncation?)")
+        raise CaptureRejected(
+            f"captured {rc['n_positions']} positions, prompt_tokens={prompt}, sent {n_sent} "
+            f"(chunked prefill or truncation?)"
+        )
     if rc["prefix_len"] != 0:
         raise CaptureRejected(f"prefix_len={rc['prefix_len']}: the prompt was not computed in one forward")
     if rc.get("capture_version") != CAPTURE_VERSION:
-        raise CaptureRejected(f"server capture version {rc.get('capture_version')} != client {CAPTURE_VERSION}: "
-                              f"the server runs another sglang_patch; reinstall it (`make sglang-env`)")
+        raise CaptureRejected(
+            f"server capture version {rc.get('capture_version')} != client {CAPTURE_VERSION}: "
+            f"the server runs another sglang_patch; reinstall it (`make sglang-env`)"
+        )
     if list(rc.get("taps", [])) != list(taps):
-        raise CaptureRejected(f"server captures taps {rc.get('taps')}, this extraction needs {taps} "
-                              f"(start the server with --capture-taps {','.join(map(str, taps))})")
+        raise CaptureRejected(
+            f"server captures taps {rc.get('taps')}, this extraction needs {taps} "
+            f"(start the server with --capture-taps {','.join(map(str, taps))})"
+        )
     return rc
 
 
@@ -81,12 +94,14 @@ def load_capture(path: Path, ids: np.ndarray, n_aux: int, hidden: int) -> tuple[
     except CaptureRejected:
         raise
     except Exception as e:  # OSError, KeyError, safetensors' SafetensorError (an Exception from 0.8)
-        raise CaptureRejected(f"capture file {path} unreadable: {type(e).__name__}: {e}")
+        raise CaptureRejected(f"capture file {path} unreadable: {type(e).__name__}: {e}") from None
     if not np.array_equal(got_ids.numpy(), np.asarray(ids, dtype=np.int64)):
         raise CaptureRejected(f"capture file {path}: token ids differ from the ids sent")
     if tuple(aux.shape) != (n, n_aux, hidden) or tuple(final.shape) != (n, hidden):
-        raise CaptureRejected(f"capture file {path}: aux {tuple(aux.shape)} / final {tuple(final.shape)}, expected "
-                              f"({n}, {n_aux}, {hidden}) / ({n}, {hidden})")
+        raise CaptureRejected(
+            f"capture file {path}: aux {tuple(aux.shape)} / final {tuple(final.shape)}, expected "
+            f"({n}, {n_aux}, {hidden}) / ({n}, {hidden})"
+        )
     if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
         raise CaptureRejected(f"capture file {path}: NaN or Inf values")
     return aux.to(torch.bfloat16), final.to(torch.bfloat16)

@@ -1,6 +1,7 @@
 """`hf` backend: transformers in-process, CPU or CUDA. Right-padded batches under the causal mask
 alone: a real token never attends to padding, so a batch equals its samples run one by one (within
 dtype)."""
+
 import logging
 import time
 
@@ -28,8 +29,16 @@ class HFBackend:
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
 
-    def __init__(self, target: Target, taps: list[int], dtype: str = "bfloat16", device: str = "auto",
-                 attn: str = "sdpa", compile: bool | str = "auto", states: str = "bf16"):
+    def __init__(
+        self,
+        target: Target,
+        taps: list[int],
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        attn: str = "sdpa",
+        compile: bool | str = "auto",
+        states: str = "bf16",
+    ):
         self.device = pick_device(device)
         if compile not in (True, False, "auto"):
             raise EaglenestError(f"extract.hf.compile must be auto, true or false, got {compile!r}")
@@ -51,13 +60,17 @@ class HFBackend:
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
             log.info("hf backend: %d decoder layers compiled (the first batches compile them)", len(layers))
-        log.info("hf backend: %s on %s, taps %s, states stored as %s", self.dtype, self.device, self.taps,
-                 self.states)
+        log.info("hf backend: %s on %s, taps %s, states stored as %s", self.dtype, self.device, self.taps, self.states)
 
     def describe(self) -> dict:
         import transformers
-        return {"backend": "hf", "version": f"transformers-{transformers.__version__}",
-                "capture_version": CAPTURE_VERSIONS["hf"], "device": self.device}
+
+        return {
+            "backend": "hf",
+            "version": f"transformers-{transformers.__version__}",
+            "capture_version": CAPTURE_VERSIONS["hf"],
+            "device": self.device,
+        }
 
     def close(self) -> None:
         self.decoder = None
@@ -85,8 +98,12 @@ class HFBackend:
         other = ids[:1] if len(ids) > 1 else ids.repeat(2, 1)
         self.decoder(input_ids=other, output_hidden_states=True, use_cache=False)
         self.warm = True
-        log.info("hf backend: warm-up forward at batch %d, length %d (compiles that batch family now, not "
-                 "mid-part): %.1f s", len(other), ids.shape[1], time.perf_counter() - t)
+        log.info(
+            "hf backend: warm-up forward at batch %d, length %d (compiles that batch family now, not mid-part): %.1f s",
+            len(other),
+            ids.shape[1],
+            time.perf_counter() - t,
+        )
 
     def extract(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.extract_async(batch)()
@@ -103,7 +120,7 @@ class HFBackend:
         T = max(lengths)
         ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
         for b, x in enumerate(batch):
-            ids[b, :len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
+            ids[b, : len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
         # No attention mask: with RIGHT padding the causal mask alone keeps every real token off the
         # padding (all it can see lies before it), and the padded rows are dropped below. A padding
         # mask would make SDPA leave its flash kernel for a materialised [B, 1, T, T] mask, and
@@ -130,4 +147,5 @@ class HFBackend:
             if self.states == "bf16":
                 return [(tensors[0][b, :n], tensors[1][b, :n]) for b, n in enumerate(lengths)]
             return [{k: t[b, :n] for k, t in zip(names, tensors)} for b, n in enumerate(lengths)]
+
         return wait

@@ -5,6 +5,7 @@ none is given, the backend launches one server itself (`sglang_server.LaunchedSe
 use and stops it in `close()`. Each sample is one /generate request (max_new_tokens 1) with a
 unique rid; its capture is checked (`capture_checks`), converted to bfloat16, and its file deleted.
 A rejected capture or a transport error is retried; after `retries` the sample fails by name."""
+
 import itertools
 import json
 import logging
@@ -51,14 +52,22 @@ class SpaceGate:
                     self.inflight += need
                     return
             if not warned:
-                log.warning("capture dir %s: %.1f MB free, %.1f MB in flight; the next request needs %.1f MB "
-                            "(+%.0f MB reserve): waiting for space", self.dir, free / 1e6, self.inflight / 1e6,
-                            need / 1e6, self.reserve / 1e6)
+                log.warning(
+                    "capture dir %s: %.1f MB free, %.1f MB in flight; the next request needs %.1f MB "
+                    "(+%.0f MB reserve): waiting for space",
+                    self.dir,
+                    free / 1e6,
+                    self.inflight / 1e6,
+                    need / 1e6,
+                    self.reserve / 1e6,
+                )
                 warned = True
             if time.time() - t0 > self.timeout:
-                raise EaglenestError(f"capture dir {self.dir}: only {free / 1e6:.1f} MB free, a request needs "
-                                     f"{(need + self.reserve) / 1e6:.1f} MB (incl. reserve); waited "
-                                     f"{self.timeout:.0f} s. Free space there (or set extract.sglang.capture_dir)")
+                raise EaglenestError(
+                    f"capture dir {self.dir}: only {free / 1e6:.1f} MB free, a request needs "
+                    f"{(need + self.reserve) / 1e6:.1f} MB (incl. reserve); waited "
+                    f"{self.timeout:.0f} s. Free space there (or set extract.sglang.capture_dir)"
+                )
             time.sleep(0.5)
 
     def release(self, need: int) -> None:
@@ -67,11 +76,24 @@ class SpaceGate:
 
 
 class SGLangBackend:
-    def __init__(self, target: Target, taps: list[int], dtype: str = "bfloat16", device: str = "auto",
-                 server_url=None, python: str = ".venv-sglang/bin/python", server_args=(), concurrency: int = 8,
-                 retries: int = 2, request_timeout_s: float = 600.0, startup_timeout_s: float = 600.0,
-                 capture_dir: str | None = None, reserve_mb: float = 64.0, space_timeout_s: float = 600.0,
-                 log_dir: str = ".eaglenest/sglang"):
+    def __init__(
+        self,
+        target: Target,
+        taps: list[int],
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        server_url=None,
+        python: str = ".venv-sglang/bin/python",
+        server_args=(),
+        concurrency: int = 8,
+        retries: int = 2,
+        request_timeout_s: float = 600.0,
+        startup_timeout_s: float = 600.0,
+        capture_dir: str | None = None,
+        reserve_mb: float = 64.0,
+        space_timeout_s: float = 600.0,
+        log_dir: str = ".eaglenest/sglang",
+    ):
         self.target, self.taps, self.dtype = target, list(taps), dtype
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.urls = [server_url] if isinstance(server_url, str) else list(server_url or [])
@@ -81,9 +103,11 @@ class SGLangBackend:
         self.server: LaunchedServer | None = None
         self.own_capture_dir = capture_dir is None and not self.urls
         if capture_dir is None and self.urls:
-            raise EaglenestError("extract.sglang.capture_dir is required with server_url: the client reads and "
-                                 "deletes capture files only inside the directory it was given (the servers' "
-                                 "--capture-dir)")
+            raise EaglenestError(
+                "extract.sglang.capture_dir is required with server_url: the client reads and "
+                "deletes capture files only inside the directory it was given (the servers' "
+                "--capture-dir)"
+            )
         if self.own_capture_dir:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None
             capture_dir = tempfile.mkdtemp(prefix="eaglenest-capture-", dir=base)
@@ -96,8 +120,12 @@ class SGLangBackend:
     def describe(self) -> dict:
         if self._version is None:
             self._version = self._server_version()
-        return {"backend": "sglang", "version": f"sglang-{self._version}",
-                "capture_version": CAPTURE_VERSIONS["sglang"], "device": self.device}
+        return {
+            "backend": "sglang",
+            "version": f"sglang-{self._version}",
+            "capture_version": CAPTURE_VERSIONS["sglang"],
+            "device": self.device,
+        }
 
     def _server_version(self) -> str:
         if not self.urls:
@@ -108,15 +136,16 @@ class SGLangBackend:
                 try:
                     infos[url] = get_json(f"{url.rstrip('/')}/server_info")
                 except TRANSPORT_ERRORS as e:
-                    raise EaglenestError(f"SGLang server {url} not reachable: {e}")
+                    raise EaglenestError(f"SGLang server {url} not reachable: {e}") from None
             versions = {info.get("version") for info in infos.values()}
             if len(versions) != 1:
                 raise EaglenestError(f"SGLang servers run different versions {sorted(map(str, versions))}: {self.urls}")
             version = versions.pop()
             for url, info in infos.items():
                 if info.get("dtype") not in (self.dtype, "auto"):
-                    raise EaglenestError(f"SGLang server {url} runs dtype {info.get('dtype')}, extract.dtype is "
-                                         f"{self.dtype}")
+                    raise EaglenestError(
+                        f"SGLang server {url} runs dtype {info.get('dtype')}, extract.dtype is {self.dtype}"
+                    )
         if not supported(version):
             raise EaglenestError(f"SGLang {version} is outside the range sglang_patch supports")
         return version
@@ -126,10 +155,17 @@ class SGLangBackend:
         if self.pool is not None:
             return
         if not self.urls:
-            self.server = LaunchedServer(self.python, self.target.model_dir, dtype=self.dtype, taps=self.taps,
-                                         capture_dir=self.space.dir, device=self.device, extra_args=self.server_args,
-                                         log_path=self.log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}.log",
-                                         startup_timeout=self.startup_timeout)
+            self.server = LaunchedServer(
+                self.python,
+                self.target.model_dir,
+                dtype=self.dtype,
+                taps=self.taps,
+                capture_dir=self.space.dir,
+                device=self.device,
+                extra_args=self.server_args,
+                log_path=self.log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}.log",
+                startup_timeout=self.startup_timeout,
+            )
             self.urls = [self.server.start()]
         self.pool = ThreadPoolExecutor(self.concurrency * len(self.urls), thread_name_prefix="sglang-client")
 
@@ -167,7 +203,7 @@ class SGLangBackend:
                 reasons.append(f"attempt {attempt + 1}: {e}")
             except TRANSPORT_ERRORS as e:
                 reasons.append(f"attempt {attempt + 1}: {url} not answering ({e})")
-                time.sleep(min(2.0 ** attempt, 10.0))
+                time.sleep(min(2.0**attempt, 10.0))
             finally:
                 remove(path)  # whether the capture passed or not
                 self.space.release(need)
@@ -176,10 +212,14 @@ class SGLangBackend:
         raise SampleFailed(position, f"SGLang capture failed {len(reasons)} times: " + "; ".join(reasons))
 
     def _generate(self, url: str, ids: np.ndarray, rid: str) -> dict:
-        body = {"input_ids": [int(x) for x in ids], "rid": rid,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        req = urllib.request.Request(f"{url.rstrip('/')}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "input_ids": [int(x) for x in ids],
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        }
+        req = urllib.request.Request(
+            f"{url.rstrip('/')}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
             raw = r.read()
         try:

@@ -1,5 +1,6 @@
 """Start, watch and stop an SGLang server through `python -m sglang_patch.launch` in the server's
 own virtual environment (SGLang pins its own torch/transformers: `make sglang-env`)."""
+
 import json
 import logging
 import os
@@ -48,42 +49,80 @@ def sglang_version(python: Path) -> str:
     code = "from importlib.metadata import version; print(version('sglang'))"
     r = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     if r.returncode != 0:
-        raise EaglenestError(f"{python}: cannot read the installed SGLang version ({r.stderr.strip()[-300:]}); "
-                             f"`make sglang-env` builds the server environment")
+        raise EaglenestError(
+            f"{python}: cannot read the installed SGLang version ({r.stderr.strip()[-300:]}); "
+            f"`make sglang-env` builds the server environment"
+        )
     return r.stdout.strip()
 
 
 class LaunchedServer:
     """One server process (and its children) in its own session, logged to `log_path`."""
 
-    def __init__(self, python: Path, model_dir: Path, *, dtype: str, taps: list[int], capture_dir: Path,
-                 device: str, extra_args: list[str], log_path: Path, startup_timeout: float = 600.0):
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        *,
+        dtype: str,
+        taps: list[int],
+        capture_dir: Path,
+        device: str,
+        extra_args: list[str],
+        log_path: Path,
+        startup_timeout: float = 600.0,
+    ):
         self.env = dict(os.environ)
         self.python, self.log_path, self.startup_timeout = Path(python), Path(log_path), startup_timeout
         if not self.python.exists():
-            raise EaglenestError(f"SGLang server environment not found: {self.python} (run `make sglang-env`, "
-                                 f"or set extract.sglang.python)")
+            raise EaglenestError(
+                f"SGLang server environment not found: {self.python} (run `make sglang-env`, "
+                f"or set extract.sglang.python)"
+            )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.capture_dir = Path(capture_dir)
-        self.cmd = [str(self.python), "-m", "sglang_patch.launch", "--model-path", str(Path(model_dir).resolve()),
-                    "--dtype", dtype, "--port", str(self.port), "--device", "cpu" if device == "cpu" else "cuda",
-                    "--capture-dir", str(capture_dir), "--capture-taps", ",".join(map(str, taps)), *extra_args]
+        self.cmd = [
+            str(self.python),
+            "-m",
+            "sglang_patch.launch",
+            "--model-path",
+            str(Path(model_dir).resolve()),
+            "--dtype",
+            dtype,
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu" if device == "cpu" else "cuda",
+            "--capture-dir",
+            str(capture_dir),
+            "--capture-taps",
+            ",".join(map(str, taps)),
+            *extra_args,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting SGLang server on %s (log %s): %s", self.url, self.log_path, " ".join(self.cmd))
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=self.env)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self.env,
+            )
         t0 = time.time()
         while time.time() - t0 < self.startup_timeout:
             self.check_alive()
             if BIND_FAILED in self.log_tail():  # SGLang then waits forever instead of exiting
                 self.stop()
-                raise EaglenestError(f"SGLang server could not bind its port {self.port} (another process took "
-                                     f"it); run again. Log {self.log_path}:\n{self.log_tail()}")
+                raise EaglenestError(
+                    f"SGLang server could not bind its port {self.port} (another process took "
+                    f"it); run again. Log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 get_json(f"{self.url}/model_info", timeout=5)
                 log.info("SGLang server ready after %.0f s", time.time() - t0)
@@ -91,16 +130,19 @@ class LaunchedServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(1.0)
         self.stop()
-        raise EaglenestError(f"SGLang server did not become ready within {self.startup_timeout:.0f} s; "
-                             f"log {self.log_path}:\n{self.log_tail()}")
+        raise EaglenestError(
+            f"SGLang server did not become ready within {self.startup_timeout:.0f} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise EaglenestError(f"SGLang server exited with code {self.proc.returncode}; "
-                                 f"log {self.log_path}:\n{self.log_tail()}")
+            raise EaglenestError(
+                f"SGLang server exited with code {self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
+            )
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -5,6 +5,7 @@ register processors when it is not; and the PyPI torchvision wheel does not load
 torch build ("operator torchvision::nms does not exist"). Text-only targets only need the names
 to exist: every name here is a placeholder whose attributes resolve and whose CALL raises.
 The version states the API level transformers checks for (v2 transforms), not a real install."""
+
 from ._missing import module_getattr
 
 __version__ = "0.28.0+eaglenest.standin"

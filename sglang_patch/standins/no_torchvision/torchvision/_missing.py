@@ -12,8 +12,10 @@ class Missing:
         return Missing(f"{self._name}.{attr}")
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: eaglenest's torchvision stand-in has no vision ops; install a "
-                           f"torchvision that matches your torch to serve vision models")
+        raise RuntimeError(
+            f"{self._name}: eaglenest's torchvision stand-in has no vision ops; install a "
+            f"torchvision that matches your torch to serve vision models"
+        )
 
     def __repr__(self) -> str:
         return f"<torchvision stand-in {self._name}>"
@@ -24,4 +26,5 @@ def module_getattr(module: str):
         if name.startswith("__"):
             raise AttributeError(name)
         return Missing(f"{module}.{name}")
+
     return __getattr__
