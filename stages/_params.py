@@ -1,7 +1,8 @@
 """params.yaml access for the stages (the library never reads it). Every load checks the whole file
-against `SCHEMA` (type and range of each key present, no unknown keys), so a typo or a bad value
-fails before any work with one message naming the key; keys a test or an old file leaves out are
-the stages' business."""
+against `SCHEMA`: the type and range of each key, no unknown keys, and no key missing from a section
+that is there (params.yaml is the one home of the defaults: the stages read `p[key]`, never
+`p.get(key, default)`). A typo, a bad value or a dropped key fails before any work, in one message
+naming the key. A section may be absent as a whole (a workspace that runs one stage holds its own)."""
 
 from pathlib import Path
 
@@ -162,6 +163,10 @@ SCHEMA = {
 }
 
 
+# may be left out of their section: user parts need no built-in ShareGPT cut
+OPTIONAL = {"data.sharegpt"}
+
+
 def validate(params, schema=SCHEMA, where: str = "") -> None:
     if not isinstance(params, dict):
         raise EaglenestError(f"{PARAMS}: {where or 'the file'} must be a mapping, not {params!r}")
@@ -176,6 +181,13 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
             validate(value, rule, name)
         elif (want := rule(value)) is not None:
             raise EaglenestError(f"{PARAMS}: `{name}` is {value!r}; it must be {want}")
+    if where.count(".") == 0 and where:  # a section's own keys (a backend's sub-options may be left out)
+        missing = [f"{where}.{k}" for k in schema if k != "*" and k not in params and f"{where}.{k}" not in OPTIONAL]
+        if missing:
+            raise EaglenestError(
+                f"{PARAMS}: missing {', '.join(f'`{m}`' for m in missing)}; every key of a section must be set "
+                f"(the repository's params.yaml has them all, with their defaults)"
+            )
 
 
 def load(section: str | None = None) -> dict:

@@ -35,17 +35,17 @@ def main(argv=None) -> None:
     ks = [int(k) for k in (p["k"] if isinstance(p["k"], list) else [p["k"]])]
     if not ks or min(ks) < 1:
         raise EaglenestError(f"evaluate.k must be a chain length >= 1 or a list of them, got {p['k']!r}")
-    min_tau = p.get("min_tau")
+    min_tau = p["min_tau"]
     metrics, per_q = evaluate(
         load_target(Path("data/target")),
         Path(args.drafter),
         mtbench_prompts(p["questions"]),
         ks,
         max_new_tokens=int(p["max_new_tokens"]),
-        dtype=p.get("dtype", "float32"),
-        device=p.get("device", "cpu"),
-        batch_size=int(p.get("batch_size", 1)),
-        speed_questions=p.get("speed_questions"),
+        dtype=p["dtype"],
+        device=p["device"],
+        batch_size=int(p["batch_size"]),
+        speed_questions=p["speed_questions"],
         progress=not args.no_progress,
     )
     low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}

@@ -7,8 +7,11 @@
             retries, capture_dir),
             store.* (codec, level, chunk_mb, shard_mb, states: bf16 | fp8), validate.* (gate),
             tokenize.max_seq_len
-A crash leaves finished pieces in extract.work_dir; rerunning resumes. A failed validation gate
-writes metrics/extract/<part>.json and exits non-zero without touching data/hidden/<part>.
+Writes metrics/extract/<part>.json (the headline figures `dvc metrics show` tabulates: tokens,
+tokens/s, bytes, the gate's verdict and its worst figures) and reports/extract/<part>.json (all of
+it: per-tap gate figures and thresholds, the host path's timings). A crash leaves finished pieces in
+extract.work_dir; rerunning resumes. A failed validation gate writes both and exits non-zero without
+touching data/hidden/<part>.
 """
 
 import argparse
@@ -31,23 +34,23 @@ def main(argv=None) -> None:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     params = _params.load()
-    ex, st, va = params["extract"], params["store"], params.get("validate", {})
+    ex, st, va = params["extract"], params["store"], params["validate"]
     target = load_target(Path("data/target"))
     check_fingerprint(target)
-    taps = resolve_taps(ex.get("taps", "auto"), target.num_layers)
-    name = ex.get("backend", "hf")
-    states = st.get("states", "bf16")
+    taps = resolve_taps(ex["taps"], target.num_layers)
+    name = ex["backend"]
+    states = st["states"]
     kw = {"states": states} if name == "hf" else {}  # hf quantizes on its device; others' states in the fill
     backend = make_backend(
         name,
         target=target,
         taps=taps,
-        dtype=ex.get("dtype", "bfloat16"),
-        device=ex.get("device", "auto"),
+        dtype=ex["dtype"],
+        device=ex["device"],
         **kw,
-        **(ex.get(name) or {}),
+        **(ex[name] or {}),
     )
-    metrics_path = Path(f"metrics/extract/{args.part}.json")
+    metrics_path, report_path = Path(f"metrics/extract/{args.part}.json"), Path(f"reports/extract/{args.part}.json")
     try:
         metrics = extract_part(
             part=args.part,
@@ -55,23 +58,41 @@ def main(argv=None) -> None:
             target=target,
             backend=backend,
             taps=taps,
-            dtype=ex.get("dtype", "bfloat16"),
-            revision=ex.get("revision", 0),
+            dtype=ex["dtype"],
+            revision=ex["revision"],
             layout_cfg={**{k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")}, "states": states},
             validate_cfg=va,
             out_dir=Path(f"data/hidden/{args.part}"),
-            work_root=Path(ex.get("work_dir", ".eaglenest/work")),
-            batch_tokens=int(ex.get("batch_tokens", 4096)),
+            work_root=Path(ex["work_dir"]),
+            batch_tokens=int(ex["batch_tokens"]),
             max_seq_len=int(params["tokenize"]["max_seq_len"]),
             progress=not args.no_progress,
-            writers=ex.get("writers") if ex.get("writers") != "auto" else None,
+            writers=ex["writers"] if ex["writers"] != "auto" else None,
         )
     except GateFailed as e:
-        write_json(metrics_path, e.metrics)
+        write_json(report_path, e.metrics)
+        write_json(metrics_path, headline(e.metrics))
         raise
     finally:
         backend.close()  # stops a server the sglang backend launched
-    write_json(metrics_path, metrics)
+    write_json(report_path, metrics)
+    write_json(metrics_path, headline(metrics))
+
+
+HEADLINE = ("committed", "samples", "tokens", "tokens_extracted_now", "pieces", "pieces_resumed", "tokens_per_s",
+            "total_seconds", "stored_bytes", "compression_ratio")
+
+
+def headline(m: dict) -> dict:
+    """A part's figures worth a column in `dvc metrics show`; the rest stays in the report."""
+    v = m.get("validation", {})
+    taps = v.get("taps", {}).values()
+    return {
+        **{k: m[k] for k in HEADLINE if k in m},
+        "gate_passed": v.get("passed"),
+        "gate_worst_cosine": min((t["cosine_min"] for t in taps), default=None),
+        "gate_worst_rel_err_mean": max((t["rel_err_mean"] for t in taps), default=None),
+    }
 
 
 if __name__ == "__main__":

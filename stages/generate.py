@@ -35,8 +35,8 @@ def main(argv=None) -> None:
     tokenize = _params.load("tokenize")
     src, out = Path(f"data/parts/{args.part}.jsonl"), Path(f"data/generated/{args.part}.jsonl")
     metrics = Path(f"metrics/generate/{args.part}.json")
-    convs, _ = read_jsonl(src, on_error=tokenize.get("on_error", "fail"))  # validate early, naming file and line
-    if not p.get("enabled", False):
+    convs, _ = read_jsonl(src, on_error=tokenize["on_error"])  # validate early, naming file and line
+    if not p["enabled"]:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, out)
         write_json(metrics, {"enabled": False, "conversations": len(convs)})
@@ -44,27 +44,27 @@ def main(argv=None) -> None:
         return
     t0 = time.perf_counter()
     target = load_target(Path("data/target"))
-    device = pick_device(p.get("device", "auto"))
-    model = load_model(target, dtype=p.get("dtype", "bfloat16"), device=device)
+    device = pick_device(p["device"])
+    model = load_model(target, dtype=p["dtype"], device=device)
     kept, stats = regenerate(
         model,
         load_tokenizer(target),
         convs,
         int(p["max_new_tokens"]),
-        float(p.get("temperature", 0.0)),
-        int(p.get("seed", 0)),
-        int(p.get("max_turns") or 0),
+        float(p["temperature"]),
+        int(p["seed"]),
+        int(p["max_turns"]),
         int(tokenize["max_seq_len"]),
-        int(p.get("batch_tokens", 65536)),
-        int(p.get("max_rows", 256)),
+        int(p["batch_tokens"]),
+        int(p["max_rows"]),
         progress=not args.no_progress,
     )
     write_jsonl(kept, out)
     stats.update(
         enabled=True,
         device=device,
-        dtype=p.get("dtype", "bfloat16"),
-        temperature=float(p.get("temperature", 0.0)),
+        dtype=p["dtype"],
+        temperature=float(p["temperature"]),
         wall_s=round(time.perf_counter() - t0, 2),
     )
     write_json(metrics, stats)

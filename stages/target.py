@@ -20,7 +20,7 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics", default="metrics/target.json")
     args = ap.parse_args(argv)
     p = _params.load("target")
-    t = materialize(p["path"], Path(args.out), dtype=p.get("dtype", "bfloat16"))
+    t = materialize(p["path"], Path(args.out), dtype=p["dtype"])
     write_json(
         Path(args.metrics),
         {

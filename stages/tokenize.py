@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--input", help="conversations JSONL (default: data/generated/<part>.jsonl)")
     args = ap.parse_args(argv)
     p = _params.load("tokenize")
-    on_error = p.get("on_error", "fail")
+    on_error = p["on_error"]
     if on_error not in ("fail", "skip"):
         raise EaglenestError(f"tokenize.on_error must be fail or skip, got {on_error!r}")
     src = Path(args.input or f"data/generated/{args.part}.jsonl")

@@ -127,20 +127,16 @@ def gate(samples: int) -> dict:
 
 
 def base_params(**over) -> dict:
-    p = {
-        "tokenize": {"max_seq_len": 128, "on_error": "fail"},
-        "extract": {
-            "backend": "hf",
-            "taps": "auto",
-            "dtype": "bfloat16",
-            "revision": 0,
-            "device": "cpu",
-            "batch_tokens": 1024,
-            "work_dir": ".eaglenest/work",
-        },
-        "store": {"codec": "zstd", "level": 1, "chunk_mb": 0.05, "shard_mb": 0.5},
-        "validate": gate(4),
-    }
+    """The extraction sections of the repository's params.yaml (every key: the stages take no
+    defaults of their own), made small and CPU-bound, then `over` per section."""
+    import yaml
+
+    repo = yaml.safe_load((REPO / "params.yaml").read_text())
+    p = {k: repo[k] for k in ("tokenize", "extract", "store", "validate")}
+    p["tokenize"].update(max_seq_len=128, on_error="fail")
+    p["extract"].update(backend="hf", taps="auto", dtype="bfloat16", device="cpu", batch_tokens=1024)
+    p["store"].update(states="bf16", codec="zstd", level=1, chunk_mb=0.05, shard_mb=0.5)
+    p["validate"] = gate(4)
     for k, v in over.items():
         p[k] = {**p.get(k, {}), **v}
     return p

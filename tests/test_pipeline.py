@@ -36,7 +36,10 @@ def test_repro_to_validated_stores_then_noop(clone):
         store = HiddenStore(clone / "data" / "hidden" / part)
         m = json.loads((clone / "metrics" / "extract" / f"{part}.json").read_text())
         tm = json.loads((clone / "metrics" / "tokenize" / f"{part}.json").read_text())
-        assert m["committed"] and m["validation"]["passed"] and m["samples"] == len(store) == tm["samples"]
+        assert m["committed"] and m["gate_passed"] and m["samples"] == len(store) == tm["samples"]
+        assert m["gate_worst_cosine"] > 0.98 and len(m) <= 14  # the headline; all of it in the report
+        report = json.loads((clone / "reports" / "extract" / f"{part}.json").read_text())
+        assert report["validation"]["passed"] and set(report["validation"]["taps"]) == {"aux_2", "aux_15", "aux_27", "final"}
         assert store.attrs["taps"] == [2, 15, 27] and store.attrs["hidden_size"] == 576
         assert (
             store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import yaml
 import zarr
 
 from eaglenest.data.conversations import read_jsonl
@@ -177,3 +178,8 @@ def test_a_bad_params_value_fails_before_any_work_naming_the_key(smollm2, tmp_pa
     ws2 = workspace(tmp_path / "2", smollm2, n=4, batch_tokenz=4096)
     r = run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws2, check=False)
     assert r.returncode == 2 and "unknown key `extract.batch_tokenz`" in r.stderr
+    params = yaml.safe_load((ws2 / "params.yaml").read_text())
+    del params["extract"]["batch_tokenz"], params["extract"]["work_dir"]
+    (ws2 / "params.yaml").write_text(yaml.safe_dump(params))
+    r = run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws2, check=False)
+    assert r.returncode == 2 and "missing `extract.work_dir`" in r.stderr and "Traceback" not in r.stderr
