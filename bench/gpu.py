@@ -411,7 +411,7 @@ def kernel_profile(fn) -> dict:
 
 
 def bench_training(res, args):
-    from eaglenest.drafter.model import DrafterConfig
+    from eaglenest.drafter.config import DrafterConfig
 
     dcfg = DrafterConfig.from_target(llama8b(32).to_dict(), 32000, [2, 16, 29])
     # (attention, fused loss, compiled layer, compiled loss kernel)

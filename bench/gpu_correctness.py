@@ -117,7 +117,8 @@ def speculative_lossless(target) -> dict:
     import numpy as np
 
     from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
-    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.config import DrafterConfig
+    from eaglenest.drafter.model import Eagle3Drafter
     from eaglenest.target import load_model
     from tests.conftest import random_samples
     from tests.test_train import oracle_drafter

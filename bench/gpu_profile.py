@@ -287,8 +287,7 @@ def report(work: Path, out: Path) -> None:
         "tokenized_tokens": sum(t.get("tokens", 0) for t in tok.values()),
         "loss_tokens": sum(t.get("loss_tokens", 0) for t in tok.values()),
         "extract": {
-            k: {"tokens_per_s": e.get("tokens_per_s"), "gate_passed": e.get("gate_passed")}
-            for k, e in ext.items()
+            k: {"tokens_per_s": e.get("tokens_per_s"), "gate_passed": e.get("gate_passed")} for k, e in ext.items()
         },
         "train_tokens": pk.get("train_tokens"),
         "pack": pk,

@@ -33,7 +33,8 @@ def main():
     from specforge.utils import padding
     from transformers import LlamaConfig
 
-    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.config import DrafterConfig
+    from eaglenest.drafter.model import Eagle3Drafter
     from eaglenest.drafter.train import FrozenEmbedding
     from eaglenest.drafter.ttt import ttt_loss
 

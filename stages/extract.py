@@ -79,8 +79,18 @@ def main(argv=None) -> None:
     write_json(metrics_path, headline(metrics))
 
 
-HEADLINE = ("committed", "samples", "tokens", "tokens_extracted_now", "pieces", "pieces_resumed", "tokens_per_s",
-            "total_seconds", "stored_bytes", "compression_ratio")
+HEADLINE = (
+    "committed",
+    "samples",
+    "tokens",
+    "tokens_extracted_now",
+    "pieces",
+    "pieces_resumed",
+    "tokens_per_s",
+    "total_seconds",
+    "stored_bytes",
+    "compression_ratio",
+)
 
 
 def headline(m: dict) -> dict:

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eaglenest.data.vocab import build_vocab
-from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.config import DrafterConfig
+from eaglenest.drafter.model import Eagle3Drafter
 
 TARGET_CFG = {
     "hidden_size": 64,

@@ -97,7 +97,8 @@ def test_batched_greedy_and_speculative_equal_batch1(tiny_target, tiny_fp32, see
 
 
 def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_path):
-    from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+    from eaglenest.drafter.config import DrafterConfig
+    from eaglenest.drafter.model import Eagle3Drafter
 
     ws = stage_workspace(
         tmp_path / "ws",

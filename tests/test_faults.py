@@ -39,8 +39,9 @@ def test_twenty_random_sigkills_then_resume(smollm2, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
-        # whatever was committed so far is intact: every manifest's samples read back with valid digests
-        assert not (ws / "data/hidden/p").exists() or verify_store(ws / "data/hidden/p", progress=False) == []
+        # a store published before this kill (publishing is one rename) reads back whole
+        if (ws / "data/hidden/p").exists():
+            assert verify_store(ws / "data/hidden/p", progress=False) == []
     run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws)
     store = HiddenStore(ws / "data/hidden/p")
     assert verify_store(store.path, progress=False) == []

@@ -2,6 +2,7 @@
 params profile, in a fresh clone of this repository."""
 
 import json
+import shutil
 
 import pytest
 import yaml
@@ -14,12 +15,24 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory, smollm2):
-    return make_clone(tmp_path_factory.mktemp("clone") / "repo", tiny_params())
+def built(tmp_path_factory, smollm2):
+    """A fresh clone, `dvc repro` run once and committed: (path, the repro's stdout). Read only."""
+    repo = make_clone(tmp_path_factory.mktemp("clone") / "repo", tiny_params())
+    p = sh("dvc repro", repo)
+    sh("git add -A && git -c user.email=t@t -c user.name=t commit -qm run1", repo)
+    return repo, p.stdout
 
 
-def test_repro_to_validated_stores_then_noop(clone):
-    p = sh("dvc repro", clone)
+@pytest.fixture
+def clone(built, tmp_path):
+    """A private copy of the built clone (workspace, DVC cache, git): what one test edits, no other sees."""
+    dst = tmp_path / "repo"
+    shutil.copytree(built[0], dst, symlinks=True)
+    return dst
+
+
+def test_repro_to_validated_stores_then_noop(built):
+    clone, stdout = built
     for stage in (
         "target",
         "sharegpt@tiny-a",
@@ -31,7 +44,7 @@ def test_repro_to_validated_stores_then_noop(clone):
         "train",
         "evaluate",
     ):
-        assert f"Running stage '{stage}'" in p.stdout
+        assert f"Running stage '{stage}'" in stdout
     for part in ("tiny-a", "tiny-b"):
         store = HiddenStore(clone / "data" / "hidden" / part)
         m = json.loads((clone / "metrics" / "extract" / f"{part}.json").read_text())
@@ -39,7 +52,8 @@ def test_repro_to_validated_stores_then_noop(clone):
         assert m["committed"] and m["gate_passed"] and m["samples"] == len(store) == tm["samples"]
         assert m["gate_worst_cosine"] > 0.98 and len(m) <= 14  # the headline; all of it in the report
         report = json.loads((clone / "reports" / "extract" / f"{part}.json").read_text())
-        assert report["validation"]["passed"] and set(report["validation"]["taps"]) == {"aux_2", "aux_15", "aux_27", "final"}
+        assert report["validation"]["passed"]
+        assert set(report["validation"]["taps"]) == {"aux_2", "aux_15", "aux_27", "final"}
         assert store.attrs["taps"] == [2, 15, 27] and store.attrs["hidden_size"] == 576
         assert (
             store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]
@@ -59,9 +73,6 @@ def test_repro_to_validated_stores_then_noop(clone):
 
 
 def test_metrics_diff_shows_a_changed_training_param(clone):
-    if not (clone / "metrics/train.json").exists():
-        sh("dvc repro", clone)
-    sh("git add -A && git -c user.email=t@t -c user.name=t commit -qm run1", clone)
     before = json.loads((clone / "metrics/train.json").read_text())
     params = yaml.safe_load((clone / "params.yaml").read_text())
     params["train"]["lr"] = params["train"]["lr"] / 10
@@ -75,8 +86,6 @@ def test_metrics_diff_shows_a_changed_training_param(clone):
 
 
 def test_bad_user_part_fails_naming_the_line_and_keeps_committed_outputs(clone):
-    if not (clone / "data/hidden/tiny-a/index.parquet").exists():
-        sh("dvc repro", clone)
     before = (clone / "data/hidden/tiny-a/index.parquet").read_bytes()
     good = {"id": "u1", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     (clone / "data/parts").mkdir(exist_ok=True)

@@ -309,7 +309,7 @@ def test_capture_files_private_and_removed(server, smollm2):
             timeout=120,
         ).read()
     )["meta_info"]
-    assert not meta.get("hs_capture") or meta["hs_capture"] == [None]
+    assert meta.get("hs_capture") in (None, [None])  # no capture asked, none made
     client(smollm2, server).extract(random_samples(6, 20000, 5, 60, seed=8))
     assert list(cap.iterdir()) == []  # every capture deleted once stored, no temp file left
 

@@ -131,7 +131,7 @@ def tiny_fp32(tiny_target):
 
 
 def tiny_drafter(tiny_target, taps, seed):
-    from eaglenest.drafter.model import DrafterConfig
+    from eaglenest.drafter.config import DrafterConfig
 
     cfg = json.loads((tiny_target.model_dir / "config.json").read_text())
     torch.manual_seed(seed)
@@ -169,7 +169,7 @@ def test_speculative_decoding_is_lossless(tiny_target, tiny_fp32, seed):
             runner, drafter, embed, prompt, 24, eos={2}, k=3, draft_fn=oracle_drafter(g.tokens, len(prompt), rng)
         )
         assert s2.tokens == g.tokens and max(s2.accepted) >= 1
-        assert s2.target_forwards < g.target_forwards or len(g.tokens) <= 2
+        assert s2.target_forwards < g.target_forwards  # every accepted draft saved a forward
 
 
 def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_path, monkeypatch):

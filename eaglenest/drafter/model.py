@@ -6,141 +6,17 @@ One attention step serves training-time test and inference: the queried cells at
 the step-0 keys, plus to their own keys from steps 1..k (the "diagonal")."""
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
+from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eaglenest.drafter.config import DrafterConfig
 from eaglenest.errors import EaglenestError
-from eaglenest.taps import default_taps
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_parameters: dict
-    max_position_embeddings: int
-    vocab_size: int  # the TARGET vocabulary (engines index the target embedding with it)
-    draft_vocab_size: int
-    target_hidden_size: int
-    num_target_layers: int
-    taps: list = field(default_factory=list)  # internal convention: HF hidden_states indices
-    hidden_act: str = "silu"
-
-    @classmethod
-    def from_target(
-        cls, cfg: dict, draft_vocab_size: int, taps: list[int], intermediate_size: int | None = None
-    ) -> "DrafterConfig":
-        """The target's shapes; `intermediate_size` widens (or narrows) the one MLP: engines read it
-        from config.json, so any width serves."""
-        cfg = cfg.get("text_config", cfg)
-        rope = cfg.get("rope_parameters") or {
-            "rope_type": "default",
-            "rope_theta": cfg.get("rope_theta", 10000.0),
-            **(cfg.get("rope_scaling") or {}),
-        }
-        heads = cfg["num_attention_heads"]
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=intermediate_size or cfg["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg["rms_norm_eps"],
-            rope_parameters=rope,
-            max_position_embeddings=cfg["max_position_embeddings"],
-            vocab_size=cfg["vocab_size"],
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=cfg["hidden_size"],
-            num_target_layers=cfg["num_hidden_layers"],
-            taps=list(taps),
-            hidden_act=cfg.get("hidden_act", "silu"),
-        )
-
-    def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            hidden_act=self.hidden_act,
-            rope_parameters=dict(self.rope_parameters),
-            max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size,
-        )
-
-    def serving_config(self) -> dict:
-        """config.json as engines read it. Aux layer ids are written only for non-default taps, in
-        each engine's own numbering: SGLang's nested id v = OUTPUT of layer v (tap - 1), vLLM's
-        top-level id v = INPUT of layer v (= the tap)."""
-        rope = dict(self.rope_parameters)
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        out = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "rms_norm_eps": self.rms_norm_eps,
-            "hidden_act": self.hidden_act,
-            "rope_theta": rope.get("rope_theta", 10000.0),
-            "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "num_aux_hidden_states": len(self.taps),
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "eaglenest": {
-                "taps": self.taps,
-                "num_target_layers": self.num_target_layers,
-                "rope_parameters": rope,
-                "tap_semantics": "HF hidden_states index (input of layer)",
-            },
-        }
-        if self.taps != default_taps(self.num_target_layers):
-            out["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.taps],
-                "use_aux_hidden_state": True,
-            }
-            out["eagle_aux_hidden_state_layer_ids"] = list(self.taps)
-        return out
-
-    @classmethod
-    def from_serving_config(cls, d: dict) -> "DrafterConfig":
-        e = d["eaglenest"]
-        return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d["num_key_value_heads"],
-            head_dim=d["head_dim"],
-            rms_norm_eps=d["rms_norm_eps"],
-            rope_parameters=e["rope_parameters"],
-            max_position_embeddings=d["max_position_embeddings"],
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d["draft_vocab_size"],
-            target_hidden_size=d["target_hidden_size"],
-            num_target_layers=e["num_target_layers"],
-            taps=e["taps"],
-            hidden_act=d["hidden_act"],
-        )
 
 
 class StepCache:
@@ -226,9 +102,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Eagle3Layer(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
-        lc = c.llama_config()
         self.self_attn = Eagle3Attention(c)
-        self.mlp = LlamaMLP(lc)  # its weights and act_fn; `out` does the arithmetic on `weights()`
+        self.mlp = LlamaMLP(c)  # its weights and act_fn; `out` does the arithmetic on `weights()`
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -257,15 +132,21 @@ class Eagle3Layer(nn.Module):
         return h + F.linear(act, w["mlp.down_proj.weight"])
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(PreTrainedModel):
+    """A transformers model: `config` is a `DrafterConfig`; `save_pretrained` writes the serving
+    format and `from_pretrained` reads it (both overridden: engines load these exact bytes)."""
+
+    config_class = DrafterConfig
+    base_model_prefix = "eagle3"
+    _no_split_modules = ["Eagle3Layer"]
+
     def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.config = c
+        super().__init__(c)
         self.fc = nn.Linear(len(c.taps) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c)
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(c.llama_config())
+        self.rotary = LlamaRotaryEmbedding(c)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
@@ -319,20 +200,22 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux.flatten(-2))
 
     # --- serving format --------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: Path) -> None:
+    def save_pretrained(self, out_dir: Path, **_) -> None:
+        """model.safetensors (bf16 weights, int64 d2t, bool t2d; no rotary buffer) and config.json
+        (`DrafterConfig.serving_dict`): the bytes SGLang and vLLM load (tests/data/drafter_export)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
         state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
         save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        (out_dir / "config.json").write_text(json.dumps(self.config.serving_config(), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(self.config.serving_dict(), indent=2) + "\n")
 
     @classmethod
-    def from_pretrained(cls, path: Path, dtype=torch.float32) -> "Eagle3Drafter":
+    def from_pretrained(cls, path: Path, dtype=torch.float32, **_) -> "Eagle3Drafter":
         path = Path(path)
         if not (path / "config.json").is_file():
             raise EaglenestError(f"{path}: no drafter config.json")
-        cfg = DrafterConfig.from_serving_config(json.loads((path / "config.json").read_text()))
+        cfg = DrafterConfig.from_serving_dict(json.loads((path / "config.json").read_text()))
         model = cls(cfg)
         state = load_file(str(path / "model.safetensors"))
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from eaglenest.data.packed import PackedSplit, collate, decode_states, epoch_batches, load_vocab
-from eaglenest.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglenest.drafter.config import DrafterConfig
+from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.drafter.ttt import ttt_loss
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import sha256_file, sha256_text
