@@ -314,8 +314,7 @@ def train_variant(
     reps: int = 6,
     profile: bool = False,
 ) -> dict:
-    from eaglenest.drafter.model import Eagle3Drafter
-    from eaglenest.drafter.train import FrozenEmbedding
+    from eaglenest.drafter.model import Eagle3Drafter, FrozenEmbedding
     from eaglenest.drafter.ttt import ttt_loss
 
     torch.manual_seed(0)
@@ -495,7 +494,8 @@ def bench_trainer(res, target, steps: int = 40):
     read back — after 3 warm-up steps (compilation)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from eaglenest.drafter.train import TrainConfig, Trainer
+    from eaglenest.drafter.train import Trainer
+    from eaglenest.drafter.train_config import TrainConfig
 
     torch.cuda.empty_cache()
     from stages import _params

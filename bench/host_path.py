@@ -26,7 +26,8 @@ import numpy as np
 
 from eaglenest.hashing import content_digest
 from eaglenest.store.hidden_store import Layout
-from eaglenest.store.shard_writer import BufferPool, crc32c, encode_shard, write_piece_shared
+from eaglenest.store.piece_buffers import BufferPool
+from eaglenest.store.shard_writer import crc32c, encode_shard, write_piece_shared
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out"))
 

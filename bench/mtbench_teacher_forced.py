@@ -19,8 +19,8 @@ import torch
 
 from eaglenest.data.packed import load_vocab
 from eaglenest.decoding import batched_speculative
-from eaglenest.drafter.model import Eagle3Drafter
-from eaglenest.drafter.train import FrozenEmbedding, summarize
+from eaglenest.drafter.acceptance import simulated_acceptance, summarize
+from eaglenest.drafter.model import Eagle3Drafter, FrozenEmbedding
 from eaglenest.drafter.ttt import ttt_loss
 from eaglenest.evaluate import mtbench_prompts
 from eaglenest.target import load_heads, load_model, load_target, load_tokenizer, stop_ids
@@ -83,8 +83,6 @@ def main() -> None:
         if (a.repo / "metrics/evaluate.json").exists()
         else {}
     )
-    from eaglenest.drafter.train import simulated_acceptance
-
     res = {
         "mtbench_teacher_forced_acc_per_step": s["acc_per_step"],
         "mtbench_teacher_forced_sim_tau_k3": simulated_acceptance(s["acc_per_step"][:3]),

@@ -96,7 +96,8 @@ def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:
 def train_main(args):
     import torch.distributed as dist
 
-    from eaglenest.drafter.train import TrainConfig, Trainer
+    from eaglenest.drafter.train import Trainer
+    from eaglenest.drafter.train_config import TrainConfig
     from eaglenest.target import load_target
     from stages import _params
 

@@ -34,8 +34,7 @@ def main():
     from transformers import LlamaConfig
 
     from eaglenest.drafter.config import DrafterConfig
-    from eaglenest.drafter.model import Eagle3Drafter
-    from eaglenest.drafter.train import FrozenEmbedding
+    from eaglenest.drafter.model import Eagle3Drafter, FrozenEmbedding
     from eaglenest.drafter.ttt import ttt_loss
 
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}

@@ -23,12 +23,13 @@ from eaglenest.evaluate import evaluate, mtbench_prompts
 from eaglenest.target import load_target
 
 from . import _params
+from . import _paths as paths
 
 
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", default="data/drafter")
+    ap.add_argument("--drafter", default=str(paths.DRAFTER))
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     p = _params.load("evaluate")
@@ -37,7 +38,7 @@ def main(argv=None) -> None:
         raise EaglenestError(f"evaluate.k must be a chain length >= 1 or a list of them, got {p['k']!r}")
     min_tau = p["min_tau"]
     metrics, per_q = evaluate(
-        load_target(Path("data/target")),
+        load_target(paths.TARGET),
         Path(args.drafter),
         mtbench_prompts(p["questions"]),
         ks,
@@ -50,14 +51,14 @@ def main(argv=None) -> None:
     )
     low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}
     metrics["min_tau"], metrics["gate_passed"] = min_tau, not low
-    write_json(Path("metrics/evaluate.json"), metrics)
-    with open("metrics/evaluate_positions.csv", "w", newline="") as f:
+    write_json(paths.metrics("evaluate"), metrics)
+    with open(paths.metrics("evaluate_positions", ext="csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["k", "position", "acceptance"])
         for k, rates in metrics["accept_rate_per_position"].items():
             for i, a in enumerate(rates):
                 w.writerow([k, i + 1, round(a, 5)])
-    write_json(Path("metrics/evaluate_questions.json"), per_q)
+    write_json(paths.metrics("evaluate_questions"), per_q)
     if low:
         raise EaglenestError(
             f"quality gate: tau {', '.join(f'{t:.3f} at k={k}' for k, t in low.items())} below "

@@ -25,6 +25,7 @@ from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target
 
 from . import _params
+from . import _paths as paths
 
 
 @exit_on_error
@@ -35,7 +36,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     params = _params.load()
     ex, st, va = params["extract"], params["store"], params["validate"]
-    target = load_target(Path("data/target"))
+    target = load_target(paths.TARGET)
     check_fingerprint(target)
     taps = resolve_taps(ex["taps"], target.num_layers)
     name = ex["backend"]
@@ -50,11 +51,11 @@ def main(argv=None) -> None:
         **kw,
         **(ex[name] or {}),
     )
-    metrics_path, report_path = Path(f"metrics/extract/{args.part}.json"), Path(f"reports/extract/{args.part}.json")
+    metrics_path, report_path = paths.metrics("extract", args.part), paths.report("extract", args.part)
     try:
         metrics = extract_part(
             part=args.part,
-            tokenized=Path(f"data/tokenized/{args.part}.parquet"),
+            tokenized=paths.tokenized(args.part),
             target=target,
             backend=backend,
             taps=taps,
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
             revision=ex["revision"],
             layout_cfg={**{k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")}, "states": states},
             validate_cfg=va,
-            out_dir=Path(f"data/hidden/{args.part}"),
+            out_dir=paths.hidden(args.part),
             work_root=Path(ex["work_dir"]),
             batch_tokens=int(ex["batch_tokens"]),
             max_seq_len=int(params["tokenize"]["max_seq_len"]),

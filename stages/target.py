@@ -11,13 +11,14 @@ from eaglenest.errors import exit_on_error
 from eaglenest.target import materialize
 
 from . import _params
+from . import _paths as paths
 
 
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="data/target", help="output directory (default: %(default)s)")
-    ap.add_argument("--metrics", default="metrics/target.json")
+    ap.add_argument("--out", default=str(paths.TARGET), help="output directory (default: %(default)s)")
+    ap.add_argument("--metrics", default=str(paths.metrics("target")))
     args = ap.parse_args(argv)
     p = _params.load("target")
     t = materialize(p["path"], Path(args.out), dtype=p["dtype"])

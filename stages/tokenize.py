@@ -17,6 +17,7 @@ from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.target import load_target, load_tokenizer
 
 from . import _params
+from . import _paths as paths
 
 log = logging.getLogger("stages.tokenize")
 
@@ -31,15 +32,15 @@ def main(argv=None) -> None:
     on_error = p["on_error"]
     if on_error not in ("fail", "skip"):
         raise EaglenestError(f"tokenize.on_error must be fail or skip, got {on_error!r}")
-    src = Path(args.input or f"data/generated/{args.part}.jsonl")
-    target = load_target(Path("data/target"))
+    src = Path(args.input) if args.input else paths.generated(args.part)
+    target = load_target(paths.TARGET)
     tok = load_tokenizer(target)
     require_template(tok, str(target.model_dir))
     convs, report = read_jsonl(src, on_error=on_error)
     table, stats = tokenize_part(tok, convs, int(p["max_seq_len"]), str(src), on_error=on_error)
     if stats["samples"] == 0:
         raise EaglenestError(f"{src}: no usable samples after tokenization")
-    out = Path(f"data/tokenized/{args.part}.parquet")
+    out = paths.tokenized(args.part)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     pq.write_table(table, tmp)
@@ -50,7 +51,7 @@ def main(argv=None) -> None:
         malformed_reasons=dict(report.skipped),
         max_seq_len=int(p["max_seq_len"]),
     )
-    write_json(Path(f"metrics/tokenize/{args.part}.json"), stats)
+    write_json(paths.metrics("tokenize", args.part), stats)
     log.info(
         "part %s: %d samples, %d tokens (%d loss), %d truncated, %d skipped",
         args.part,

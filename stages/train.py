@@ -11,24 +11,26 @@ import argparse
 from pathlib import Path
 
 from eaglenest.atomic import write_json
-from eaglenest.drafter.train import TrainConfig, Trainer
+from eaglenest.drafter.train import Trainer
+from eaglenest.drafter.train_config import TrainConfig
 from eaglenest.errors import exit_on_error
 from eaglenest.target import load_target
 
 from . import _params
+from . import _paths as paths
 
 
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stop-after-steps", type=int, help="stop (checkpointed) after N global steps; for tests")
-    ap.add_argument("--out", default="data/drafter")
-    ap.add_argument("--metrics", default="metrics/train.json")
+    ap.add_argument("--out", default=str(paths.DRAFTER))
+    ap.add_argument("--metrics", default=str(paths.metrics("train")))
     ap.add_argument("--ckpt-dir", default=".eaglenest/train")
     args = ap.parse_args(argv)
     p = _params.load("train")
     cfg = TrainConfig.from_params(p)
-    trainer = Trainer(Path("data/packed"), load_target(Path("data/target")), cfg, Path(args.ckpt_dir))
+    trainer = Trainer(paths.PACKED, load_target(paths.TARGET), cfg, Path(args.ckpt_dir))
     rank0 = trainer.rank == 0
     live = None
     if rank0 and args.stop_after_steps is None:

@@ -22,7 +22,7 @@ from eaglenest.errors import EaglenestError
 from eaglenest.extraction import loop as extract_mod
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.store.hidden_store import HiddenStore, Layout, verify_store
-from eaglenest.store.shard_writer import SHM_PREFIX, sweep_stale_shm
+from eaglenest.store.piece_buffers import SHM_PREFIX, sweep_stale_shm
 
 from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
 

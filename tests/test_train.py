@@ -176,10 +176,11 @@ def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_pat
     """DVC reruns train after a code change; a finished checkpoint of the old code must not be
     'resumed' (it would export the old drafter as the new one)."""
     from eaglenest.drafter import train as T
+    from eaglenest.drafter.train_config import TrainConfig
     from eaglenest.target import load_target
 
     def trainer():
-        cfg = T.TrainConfig(**train_params())
+        cfg = TrainConfig(**train_params())
         return T.Trainer(tiny_packed / "data/packed", load_target(tiny_packed / "data/target"), cfg, tmp_path)
 
     a = trainer()

@@ -10,10 +10,9 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -21,81 +20,17 @@ import torch
 import torch.distributed as dist
 
 from eaglenest.data.packed import PackedSplit, collate, decode_states, epoch_batches, load_vocab
+from eaglenest.drafter import checkpoint
+from eaglenest.drafter.acceptance import summarize
 from eaglenest.drafter.config import DrafterConfig
-from eaglenest.drafter.model import Eagle3Drafter
+from eaglenest.drafter.model import Eagle3Drafter, FrozenEmbedding
+from eaglenest.drafter.train_config import TrainConfig, training_code_digest
 from eaglenest.drafter.ttt import ttt_loss
 from eaglenest.errors import EaglenestError
-from eaglenest.hashing import sha256_file, sha256_text
+from eaglenest.hashing import sha256_text
 from eaglenest.target import Target, load_heads
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    """The `train` section of params.yaml, its one home: no defaults here (every stage, test and bench
-    states every field); `from_params` names a missing or unknown key."""
-
-    epochs: int
-    lr: float
-    warmup: float  # fraction of all steps
-    weight_decay: float
-    grad_clip: float
-    ttt_steps: int
-    decay: float
-    batch_tokens: int  # padded tokens per micro-batch
-    micro_batches: int  # per optimizer step, over all ranks
-    seed: int
-    autocast: str  # auto (bf16 where supported) | bf16 | none
-    ckpt_every: int  # optimizer steps between checkpoints
-    device: str
-    attention: str  # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
-    compile: str  # auto (on CUDA) | true | false: torch.compile around the attention kernel
-    intermediate_size: int | None  # the drafter's MLP width; None = the target's
-
-    @classmethod
-    def from_params(cls, p: dict) -> "TrainConfig":
-        names = [f.name for f in fields(cls)]
-        missing, unknown = [n for n in names if n not in p], [k for k in p if k not in names]
-        if missing or unknown:
-            raise EaglenestError(f"train params: missing {missing}, unknown {unknown} (params.yaml `train`)")
-        return cls(**{n: p[n] for n in names})
-
-
-class FrozenEmbedding(torch.nn.Module):
-    """The target's embedding kept in its own dtype (bf16: half the memory of fp32), looked up
-    rows upcast to fp32: the same values an fp32 copy would give."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("weight", weight.detach().clone())
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self.weight).float()
-
-
-# The modules that define the training arithmetic: this package, the packed-shard reader and the state
-# decoding (the train stage's code deps in dvc.yaml: eaglenest/drafter, data/packed.py, store/states.py).
-PACKAGE = Path(__file__).parent
-TRAINING_CODE = (
-    *sorted(p.relative_to(PACKAGE.parent) for p in PACKAGE.glob("*.py")),
-    Path("data/packed.py"),
-    Path("store/states.py"),
-)
-
-
-def training_code_digest() -> str:
-    """sha256 over TRAINING_CODE: a checkpoint made by other training code is never resumed."""
-    return sha256_text(*(f"{p}={sha256_file(PACKAGE.parent / p)}" for p in TRAINING_CODE))
-
-
-def simulated_acceptance(acc: list[float]) -> float:
-    """tau = 1 + sum_k prod_{i<=k} acc_i (includes the bonus token; no speculation = 1.0)."""
-    tau, p = 1.0, 1.0
-    for a in acc:
-        p *= a
-        tau += p
-    return tau
 
 
 def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
@@ -188,21 +123,8 @@ class Trainer:
         return self.ckpt_dir / f"last-{self.key}.pt"
 
     def save_checkpoint(self) -> None:
-        if self.rank != 0:
-            return
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "opt": self.opt.state_dict(),
-                "sched": self.sched.state_dict(),
-                "state": self.state,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-            },
-            tmp,
-        )
-        os.replace(tmp, self.ckpt_path)
+        if self.rank == 0:
+            checkpoint.save(self.ckpt_path, self.model, self.opt, self.sched, self.state)
 
     def maybe_resume(self) -> bool:
         if not self.ckpt_path.is_file():
@@ -214,14 +136,7 @@ class Trainer:
                     self.ckpt_dir,
                 )
             return False
-        ck = torch.load(self.ckpt_path, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(ck["model"])
-        self.opt.load_state_dict(ck["opt"])
-        self.sched.load_state_dict(ck["sched"])
-        self.state = ck["state"]
-        torch.set_rng_state(ck["rng"]["torch"].cpu())  # map_location moved it to the device
-        np.random.set_state(ck["rng"]["numpy"])
-        random.setstate(ck["rng"]["python"])
+        self.state = checkpoint.load(self.ckpt_path, self.device, self.model, self.opt, self.sched)
         log.info(
             "resumed from %s at epoch %d step %d", self.ckpt_path, self.state["epoch"], self.state["step_in_epoch"]
         )
@@ -351,17 +266,3 @@ class Trainer:
             "tokens_per_s": round(tokens / elapsed, 1) if tokens else None,
             "world_size": self.world,
         }
-
-
-def summarize(stats: torch.Tensor) -> dict:
-    """stats [K, 3] = per-step sums of (CE, correct, mask)."""
-    s = stats.detach().cpu().double()
-    acc = [float(s[k, 1] / max(1.0, s[k, 2])) for k in range(len(s))]
-    ce = [float(s[k, 0] / max(1.0, s[k, 2])) for k in range(len(s))]
-    return {
-        "loss": ce[0],
-        "ce_per_step": ce,
-        "acc_per_step": acc,
-        "simulated_tau": simulated_acceptance(acc),
-        "tokens": int(s[0, 2]),
-    }

@@ -8,7 +8,6 @@ background writer (`writers`, `store.shard_writer`: temp name, fsync, rename), t
 extracts only the rest. After the validation gate passes, the index is written and the store
 is renamed into the output in one step; a failed gate commits nothing."""
 
-import concurrent.futures
 import logging
 import os
 import shutil
@@ -24,10 +23,10 @@ import zarr
 from tqdm import tqdm
 
 from eaglenest.errors import EaglenestError
-from eaglenest.extraction.backends import SampleFailed
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.gate import Reference, run_gate
-from eaglenest.extraction.plan import Piece, length_batches, plan_pieces
+from eaglenest.extraction.pipeline import host_path_report, run_pieces
+from eaglenest.extraction.plan import plan_pieces
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.extraction.writers import PieceWriter
 from eaglenest.hashing import sha256_file, sha256_text
@@ -42,7 +41,7 @@ from eaglenest.store.hidden_store import (
     write_checksums,
     write_index,
 )
-from eaglenest.store.shard_writer import BufferPool
+from eaglenest.store.piece_buffers import BufferPool
 from eaglenest.target import Target
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ def _extract_part(
             ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill,
         ):
             try:
-                clock = _run_pieces(
+                clock = run_pieces(
                     pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
                 )
                 t_drain = time.perf_counter()
@@ -170,7 +169,7 @@ def _extract_part(
                 finally:  # no copy or writer touches the buffers any more
                     freeing.start()
         compute_s = time.time() - t_compute
-        host_path = _host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
+        host_path = host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
         rows = [r for m in work.committed().values() for r in m["samples"]]
         if len(rows) != len(seqs):
             raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
@@ -209,44 +208,6 @@ def _extract_part(
             freeing.join()
 
 
-def _host_path_report(
-    part: str, clock: dict, writer: PieceWriter, writers: int, drain_s: float, compute_s: float
-) -> dict:
-    """Where the extraction loop's time went, and which side bounds it: a loop that mostly waits on
-    the backend is compute-bound (as it should be); one that waits on the writers is store-bound."""
-    out = {k: round(v, 2) for k, v in {**clock, "drain_writers_s": drain_s}.items()}
-    out["writers"] = writers
-    out["writer_busy"] = {k: round(v, 2) for k, v in writer.seconds.items()}
-    out["writer_utilisation"] = round(writer.seconds["piece_s"] / max(1e-9, writers * compute_s), 3)
-    store_wait = clock["wait_writers_s"] + drain_s
-    backend_s = clock["wait_backend_s"] + clock["launch_s"]
-    out["bound_by"] = "store" if store_wait > 0.1 * compute_s else "backend"  # >10 %: writers hold it back
-    busy = writer.seconds
-    log.info(
-        "%s: host path: the loop spent %.1f s launching + waiting on the backend, %.1f s on the "
-        "writers (+%.1f s draining them); %d writers %.0f%% busy; summed over pieces: fill copies %.1f s, "
-        "digest %.1f s, encode %.1f s, write+fsync %.1f s -> %s-bound",
-        part,
-        backend_s,
-        clock["wait_writers_s"],
-        drain_s,
-        writers,
-        100 * out["writer_utilisation"],
-        busy["fill_s"],
-        busy["digest_s"],
-        busy["encode_s"],
-        busy["write_s"],
-        out["bound_by"],
-    )
-    if out["bound_by"] == "store":
-        log.warning(
-            "%s: the store path bounds extraction: more writers (extract.writers), store.codec none, "
-            "or a faster disk under extract.work_dir",
-            part,
-        )
-    return out
-
-
 class GateFailed(EaglenestError):
     def __init__(self, metrics: dict):
         self.metrics = metrics
@@ -254,136 +215,6 @@ class GateFailed(EaglenestError):
             f"part {metrics['part']}: validation gate FAILED, nothing committed: "
             + "; ".join(metrics["validation"]["failures"])
         )
-
-
-def _launch(backend, batch: list[int], seqs, names, piece: Piece):
-    """Start one batch; returns a callable that waits for its outputs. A backend with
-    `extract_async` (hf) computes while the caller copies the previous batch out."""
-
-    def named(fn, *a):
-        try:
-            return fn(*a)
-        except SampleFailed as e:
-            raise EaglenestError(
-                f"sample {names[batch[e.position]]!r} (part piece {piece.index}): {e.reason}. "
-                f"Committed pieces are kept; rerun to resume."
-            ) from None
-
-    launch = getattr(backend, "extract_async", None)
-    if launch is None:
-        outs = named(backend.extract, [seqs[i] for i in batch])
-        return lambda: outs
-    wait = named(launch, [seqs[i] for i in batch])
-    return lambda: named(wait)
-
-
-class _PieceFill:
-    """One piece's buffers being filled; the copies run in `fill` threads. `finish` (in a writer
-    thread, so the loop never waits on copies) awaits them and fills the padding tail."""
-
-    def __init__(self, piece: Piece, layout: Layout, pool: BufferPool, lengths, names, keys):
-        self.piece, self.layout, self.lengths, self.names, self.keys = piece, layout, lengths, names, keys
-        self.bufs = pool.get()
-        self.start = dict(zip(piece.samples, piece.offsets))
-        self.copies = []
-
-    def add(self, batch, outs, seqs, fill: ThreadPoolExecutor) -> None:
-        """`outs`: per sample (aux, final) bf16, or the stored arrays already encoded (a dict from
-        `state_format.encode`: the hf backend quantizes on the GPU)."""
-        A, H, lengths, states = self.layout.n_aux, self.layout.hidden, self.lengths, self.layout.states
-        for i, out in zip(batch, outs):
-            got = out if isinstance(out, dict) else dict(zip(("aux", "final"), out))
-            spec = state_format.arrays(states if isinstance(out, dict) else "bf16", A, H)
-            shapes = {k: tuple(t.shape) for k, t in got.items()}
-            want = {k: (lengths[i], *row) for k, (row, _) in spec.items()}
-            if shapes != want:
-                raise EaglenestError(f"backend returned {shapes} for sample {self.names[i]!r}; expected {want}")
-        arr = self.bufs.arrays
-
-        def copy_in(items):
-            t = time.perf_counter()
-            for i, out in items:
-                o, n = self.start[i], lengths[i]
-                stored = out if isinstance(out, dict) else state_format.encode(*out, states)
-                arr["input_ids"][o : o + n] = seqs[i]
-                for name, a in state_format.as_numpy(stored, states).items():
-                    arr[name][o : o + n] = a
-            return time.perf_counter() - t
-
-        self.copies.append(fill.submit(copy_in, list(zip(batch, outs))))
-
-    def settle(self) -> None:
-        """Every copy finished or cancelled: the buffers are no longer written."""
-        for c in self.copies:
-            c.cancel()
-        concurrent.futures.wait(self.copies)
-
-    def finish(self) -> tuple[list[dict], float]:
-        """(the piece's rows, copy seconds) once every copy is in."""
-        concurrent.futures.wait(self.copies)
-        fill_s = sum(c.result() for c in self.copies)  # a failed copy raises here
-        p, lengths = self.piece, self.lengths
-        self.bufs.pad_from(sum(lengths[i] for i in p.samples))  # samples sit back to back from row 0
-        base = p.index * self.layout.shard_tokens
-        rows = [
-            {
-                "id": self.names[i],
-                "key": self.keys[i],
-                "start": base + self.start[i],
-                "length": lengths[i],
-                "piece": p.index,
-            }
-            for i in p.samples
-        ]  # the writer adds each digest
-        return rows, fill_s
-
-
-def _run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool) -> dict:
-    """Every batch of every pending piece through the backend, the next batch always launched
-    before the current one's outputs are awaited, so the GPU never waits on the host; each
-    filled piece goes to the writer (copies still running). Returns where this loop waited, in
-    seconds: on the backend (compute-bound) or on the writers (store-bound); launch_s = launching
-    batches (all of the compute for a backend without `extract_async`)."""
-    clock = {"launch_s": 0.0, "wait_backend_s": 0.0, "wait_writers_s": 0.0}
-    work = iter(
-        [
-            (p, b, j == len(bs) - 1)
-            for p in pending
-            for bs in [length_batches(p.samples, lengths, batch_tokens)]
-            for j, b in enumerate(bs)
-        ]
-    )
-
-    def start(item):
-        if item is None:
-            return None
-        t = time.perf_counter()
-        launched = (*item, _launch(backend, item[1], seqs, names, item[0]))
-        clock["launch_s"] += time.perf_counter() - t  # a backend without extract_async computes here
-        return launched
-
-    current, inflight = None, start(next(work, None))
-    try:
-        while inflight is not None:
-            piece, batch, last, wait = inflight
-            inflight = start(next(work, None))
-            t = time.perf_counter()
-            outs = wait()
-            clock["wait_backend_s"] += time.perf_counter() - t
-            if current is None:
-                current = _PieceFill(piece, layout, pool, lengths, names, keys)
-            current.add(batch, outs, seqs, fill)
-            bar.update(sum(lengths[i] for i in batch))
-            if last:
-                t = time.perf_counter()
-                writer.put(current)  # the writer owns it from here
-                current = None
-                clock["wait_writers_s"] += time.perf_counter() - t
-    finally:
-        if current is not None:  # stop its copies before the pool frees the buffers
-            current.settle()
-            current.bufs.release()
-    return clock
 
 
 def _gate(store: HiddenStore, target: Target, taps, cfg: dict, device: str) -> tuple[dict, bool]:

@@ -63,7 +63,7 @@ class PieceWriter:
         return self.pool is not None
 
     def put(self, item) -> None:
-        """Queue a piece being filled (`loop._PieceFill`: bufs, piece, finish(), settle())."""
+        """Queue a piece being filled (`pipeline.PieceFill`: bufs, piece, finish(), settle())."""
         while True:
             if self.error is not None:
                 raise self.error
