@@ -48,6 +48,11 @@ def sh(cmd: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, check=True, text=True, **kw)
 
 
+def commit(work: Path, message: str) -> None:
+    sh(["git", "-c", "user.email=gpu@eaglenest", "-c", "user.name=gpu", "commit", "-q", "--allow-empty", "-m", message],
+       work)  # fmt: skip
+
+
 def setup(work: Path, profile: str, sets: list[str]) -> None:
     sys.path.insert(0, str(REPO))
     from eaglenest import profile as prof
@@ -96,21 +101,7 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     if not (work / ".git").exists():
         sh(["git", "init", "-q"], work)
     sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics"], work)
-    sh(
-        [
-            "git",
-            "-c",
-            "user.email=gpu@eaglenest",
-            "-c",
-            "user.name=gpu",
-            "commit",
-            "-q",
-            "--allow-empty",
-            "-m",
-            "gpu profile",
-        ],
-        work,
-    )
+    commit(work, "gpu profile")
 
 
 def stages(work: Path) -> list[str]:
@@ -180,21 +171,7 @@ def run(work: Path, budget: float, min_left: float) -> None:
             print(f"== {stage}: {times[stage]:.1f} s", flush=True)
     # committed: experiments (`exp`) start from it, and `restore` returns to it
     sh(["git", "add", "dvc.lock"], work)
-    sh(
-        [
-            "git",
-            "-c",
-            "user.email=gpu@eaglenest",
-            "-c",
-            "user.name=gpu",
-            "commit",
-            "-q",
-            "--allow-empty",
-            "-m",
-            "gpu profile: dvc.lock",
-        ],
-        work,
-    )
+    commit(work, "gpu profile: dvc.lock")
     print("all stages done")
 
 

@@ -15,8 +15,8 @@ import time
 
 from eaglenest.atomic import write_json
 from eaglenest.data.conversations import read_jsonl, write_jsonl
-from eaglenest.data.generate import regenerate
 from eaglenest.errors import exit_on_error
+from eaglenest.generate import regenerate
 from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
 
 from . import _params

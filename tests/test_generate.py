@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from eaglenest.data.generate import regenerate
 from eaglenest.decoding import batch_decode
 from eaglenest.decoding.batch_decode import HFStepper, decode_all, decode_batch, left_pad, plan_batches
 from eaglenest.decoding.static_decode import StaticDecoder, supports
+from eaglenest.generate import regenerate
 from eaglenest.target import load_model, stop_ids
 
 from .conftest import run_py, stage_workspace

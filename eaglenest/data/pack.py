@@ -12,6 +12,7 @@ vocabulary and train/val shards laid out for sequential reads.
 Samples are ordered by key (a hash: shuffled, deterministic, independent of part order); the
 split is by key too, so adding a part never moves an existing sample between train and val.
 `in_vocab[p]` = the teacher's argmax at position p is in the draft vocabulary."""
+
 import logging
 import multiprocessing as mp
 import shutil
@@ -50,17 +51,22 @@ def open_parts(parts: list[str], hidden_dir: Path, tokenized_dir: Path):
     for part in parts:
         store = HiddenStore(Path(hidden_dir) / part)
         tok = pq.read_table(Path(tokenized_dir) / f"{part}.parquet", columns=["id", "input_ids", "loss_mask"])
-        masks[part] = {i: (np.asarray(x, np.int32), np.asarray(m, np.uint8)) for i, x, m in
-                       zip(tok.column("id").to_pylist(), tok.column("input_ids").to_pylist(),
-                           tok.column("loss_mask").to_pylist())}
+        masks[part] = {
+            i: (np.asarray(x, np.int32), np.asarray(m, np.uint8))
+            for i, x, m in zip(
+                tok.column("id").to_pylist(), tok.column("input_ids").to_pylist(), tok.column("loss_mask").to_pylist()
+            )
+        }
         stores.append(store)
     first = stores[0].attrs
     for s in stores[1:]:
         for k in ("target_fingerprint", "taps", "hidden_size", "dtype", "states"):
             mine, theirs = (s.states, stores[0].states) if k == "states" else (s.attrs[k], first[k])
             if mine != theirs:
-                raise EaglenestError(f"part {s.part}: {k} {mine!r} differs from part {stores[0].part} "
-                                     f"({theirs!r}); re-extract so every part matches")
+                raise EaglenestError(
+                    f"part {s.part}: {k} {mine!r} differs from part {stores[0].part} "
+                    f"({theirs!r}); re-extract so every part matches"
+                )
     return stores, masks
 
 
@@ -79,9 +85,19 @@ def plan_shards(samples: list[tuple], lengths: list[int], val_fraction: float, s
     return {k: [s for s in v if s] for k, v in plan.items()}
 
 
-def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path, lm_head: torch.Tensor,
-         draft_vocab_size: int, val_fraction: float, shard_mb: float = 256, progress: bool = True,
-         device: str = "cpu", workers: int = 1) -> dict:
+def pack(
+    parts: list[str],
+    hidden_dir: Path,
+    tokenized_dir: Path,
+    out_dir: Path,
+    lm_head: torch.Tensor,
+    draft_vocab_size: int,
+    val_fraction: float,
+    shard_mb: float = 256,
+    progress: bool = True,
+    device: str = "cpu",
+    workers: int = 1,
+) -> dict:
     """workers > 1: shards are written by that many processes (reading and digest-checking a
     sample costs ~10 ms of one core in zarr, which one process cannot hide); the bytes are the same."""
     stores, masks = open_parts(parts, hidden_dir, tokenized_dir)
@@ -90,8 +106,10 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
     for s in stores:
         for i, row in enumerate(s.index):
             if row["id"] not in masks[s.part]:
-                raise EaglenestError(f"part {s.part}: sample {row['id']!r} is in the store but not in the "
-                                     f"tokenized part; the store is stale (dvc repro extract@{s.part})")
+                raise EaglenestError(
+                    f"part {s.part}: sample {row['id']!r} is in the store but not in the "
+                    f"tokenized part; the store is stale (dvc repro extract@{s.part})"
+                )
             ids, mask = masks[s.part][row["id"]]
             counts += np.bincount(ids[mask == 1], minlength=len(counts))
             samples.append((row["key"], s.part, i, row["id"]))
@@ -104,14 +122,19 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
-              str(tmp / "vocab.safetensors"))
+    save_file(
+        {"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
+        str(tmp / "vocab.safetensors"),
+    )
 
     A, H, states = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"], stores[0].states
     row_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, A, H).values())
     plan = plan_shards(samples, lengths, val_fraction, max(1, int(shard_mb * 2**20 / row_bytes)))
-    jobs = [(split, n, [(key, part, i, sid, *masks[part][sid]) for key, part, i, sid in shard])
-            for split, shards in plan.items() for n, shard in enumerate(shards)]
+    jobs = [
+        (split, n, [(key, part, i, sid, *masks[part][sid]) for key, part, i, sid in shard])
+        for split, shards in plan.items()
+        for n, shard in enumerate(shards)
+    ]
     for split in plan:
         (tmp / split).mkdir()
     setup = ({s.part: str(s.path) for s in stores}, lm_head, t2d, device, states, tmp)
@@ -121,8 +144,9 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
             _worker_init(*setup)
             done = map(_write_shard, jobs)
         else:
-            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                       initargs=setup)
+            pool = ProcessPoolExecutor(
+                workers, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=setup
+            )
             done = pool.map(_write_shard, jobs)
         try:
             for (split, n, _), r in zip(jobs, done):
@@ -132,42 +156,69 @@ def pack(parts: list[str], hidden_dir: Path, tokenized_dir: Path, out_dir: Path,
             if workers > 1:
                 pool.shutdown(cancel_futures=True)
     shards = {split: [results[split, n]["shard"] for n in range(len(plan[split]))] for split in plan}
-    stats = {split: [sum(len(s) for s in plan[split]), sum(r["tokens"] for r in shards[split])]
-             for split in plan}
+    stats = {split: [sum(len(s) for s in plan[split]), sum(r["tokens"] for r in shards[split])] for split in plan}
     if stats["train"][0] == 0:
         raise EaglenestError("pack: no training samples (too few samples or val_fraction too high)")
     masked = sum(r["masked"] for r in results.values())
     in_vocab_hits = sum(r["in_vocab_hits"] for r in results.values())
-    manifest = {"target_fingerprint": stores[0].attrs["target_fingerprint"], "taps": stores[0].attrs["taps"],
-                "hidden_size": H, "states": states, "vocab_size": int(len(t2d)),
-                "draft_vocab_size": int(draft_vocab_size),
-                "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores}, "shards": shards,
-                "val_fraction": val_fraction}
+    manifest = {
+        "target_fingerprint": stores[0].attrs["target_fingerprint"],
+        "taps": stores[0].attrs["taps"],
+        "hidden_size": H,
+        "states": states,
+        "vocab_size": int(len(t2d)),
+        "draft_vocab_size": int(draft_vocab_size),
+        "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores},
+        "shards": shards,
+        "val_fraction": val_fraction,
+    }
     write_json(tmp / "manifest.json", manifest)
-    index_rows = [{"key": key, "part": part, "id": sid, "split": "val" if is_val(key, val_fraction) else "train",
-                   "digest": by_part[part].index[i]["digest"]} for key, part, i, sid in samples]
+    index_rows = [
+        {
+            "key": key,
+            "part": part,
+            "id": sid,
+            "split": "val" if is_val(key, val_fraction) else "train",
+            "digest": by_part[part].index[i]["digest"],
+        }
+        for key, part, i, sid in samples
+    ]
     pq.write_table(pa.Table.from_pylist(index_rows), tmp / "index.parquet")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-    return {"samples": len(samples), "tokens": int(sum(v[1] for v in stats.values())),
-            "train_samples": stats["train"][0], "train_tokens": stats["train"][1],
-            "val_samples": stats["val"][0], "val_tokens": stats["val"][1], "masked_tokens": int(counts.sum()),
-            "draft_vocab_size": int(draft_vocab_size), "distinct_masked_tokens": int((counts > 0).sum()),
-            "draft_vocab_coverage": round(coverage(counts, t2d), 5),
-            "teacher_argmax_in_vocab": round(in_vocab_hits / max(1, masked), 5)}
+    return {
+        "samples": len(samples),
+        "tokens": int(sum(v[1] for v in stats.values())),
+        "train_samples": stats["train"][0],
+        "train_tokens": stats["train"][1],
+        "val_samples": stats["val"][0],
+        "val_tokens": stats["val"][1],
+        "masked_tokens": int(counts.sum()),
+        "draft_vocab_size": int(draft_vocab_size),
+        "distinct_masked_tokens": int((counts > 0).sum()),
+        "draft_vocab_coverage": round(coverage(counts, t2d), 5),
+        "teacher_argmax_in_vocab": round(in_vocab_hits / max(1, masked), 5),
+    }
 
 
 # --- one shard, in this process or a worker ------------------------------------------------------
 _ctx: dict = {}
 
 
-def _worker_init(store_paths: dict, lm_head: torch.Tensor, t2d: np.ndarray, device: str, states: str,
-                 tmp: Path) -> None:
+def _worker_init(
+    store_paths: dict, lm_head: torch.Tensor, t2d: np.ndarray, device: str, states: str, tmp: Path
+) -> None:
     if mp.parent_process() is not None:  # a worker: one core each, the pool is the parallelism
         torch.set_num_threads(1)
-    _ctx.update(stores={part: HiddenStore(Path(p)) for part, p in store_paths.items()}, t2d=torch.from_numpy(t2d),
-                head=lm_head.to(device=device, dtype=torch.bfloat16), device=device, states=states, tmp=Path(tmp))
+    _ctx.update(
+        stores={part: HiddenStore(Path(p)) for part, p in store_paths.items()},
+        t2d=torch.from_numpy(t2d),
+        head=lm_head.to(device=device, dtype=torch.bfloat16),
+        device=device,
+        states=states,
+        tmp=Path(tmp),
+    )
 
 
 def _write_shard(job: tuple) -> dict:
@@ -181,8 +232,9 @@ def _write_shard(job: tuple) -> dict:
         if not np.array_equal(ids, tok_ids):
             raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
         with torch.inference_mode():
-            final = state_format.decode_tensor({k: torch.from_numpy(np.ascontiguousarray(v))
-                                                for k, v in stored.items()}, "final", states)
+            final = state_format.decode_tensor(
+                {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in stored.items()}, "final", states
+            )
             top = (final.to(_ctx["device"]) @ head.T).argmax(-1).cpu()
         in_vocab = t2d[top].numpy().astype(np.uint8)
         for k, v in {**stored, "input_ids": ids, "loss_mask": mask, "in_vocab": in_vocab}.items():
@@ -195,5 +247,9 @@ def _write_shard(job: tuple) -> dict:
     for k, v in arrays.items():
         np.save(d / f"{k}.npy", np.concatenate(v))
     np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    return {"shard": {"dir": d.name, "samples": len(lengths), "tokens": int(sum(lengths))},
-            "samples": len(lengths), "masked": masked, "in_vocab_hits": hits}
+    return {
+        "shard": {"dir": d.name, "samples": len(lengths), "tokens": int(sum(lengths))},
+        "samples": len(lengths),
+        "masked": masked,
+        "in_vocab_hits": hits,
+    }

@@ -1,6 +1,7 @@
 """Read packed training shards (memory-mapped .npy, sequential) and build padded batches. The
 states stay in the stores' format (`state_format`) until the trainer's device decodes them:
 fp8 states cross the host and PCIe at half the bytes."""
+
 import json
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class PackedSplit:
 
     def get(self, i: int) -> dict:
         s, a, n = self.samples[i]
-        return {k: self.shards[s][k][a:a + n] for k in self.names}
+        return {k: self.shards[s][k][a : a + n] for k in self.names}
 
     @property
     def n_tokens(self) -> int:
@@ -70,8 +71,10 @@ def collate(split: PackedSplit, idx: list[int]) -> dict:
     aux [B,T,A,H] / final [B,T,H] bf16), input_ids/loss_mask/in_vocab int64."""
     items = [split.get(i) for i in idx]
     T = max(len(x["input_ids"]) for x in items)
-    out = {k: np.zeros((len(items), T, *items[0][k].shape[1:]),
-                       np.int64 if k in TOKEN_ARRAYS else items[0][k].dtype) for k in split.names}
+    out = {
+        k: np.zeros((len(items), T, *items[0][k].shape[1:]), np.int64 if k in TOKEN_ARRAYS else items[0][k].dtype)
+        for k in split.names
+    }
     for b, x in enumerate(items):
         n = len(x["input_ids"])
         for k in split.names:

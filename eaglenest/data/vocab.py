@@ -1,5 +1,6 @@
 """Draft vocabulary (docs/design.md: Pack): the N most frequent target tokens under the loss mask.
 d2t[i] = selected[i] - i (int64 offsets: target_id = i + d2t[i]); t2d bool over the target vocab."""
+
 import numpy as np
 
 
