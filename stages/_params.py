@@ -94,6 +94,7 @@ SCHEMA = {
         "device": DEVICE,
         "batch_tokens": POS,
         "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
+        "devices": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "work_dir": _str,
         "hf": {"compile": AUTO_BOOL},
         "sglang": {

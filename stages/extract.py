@@ -1,7 +1,7 @@
 """Stage `extract@<part>`: hidden states of a tokenized part into a validated Zarr store.
 
     python -m stages.extract <part>
-    params: extract.* (backend, taps, dtype, device, batch_tokens, writers, revision, work_dir;
+    params: extract.* (backend, taps, dtype, device, devices, batch_tokens, writers, revision, work_dir;
             extract.hf.compile for the hf backend: auto = decoder layers compiled on CUDA;
             extract.sglang.* for the sglang backend: server_url or launch-and-stop, concurrency,
             retries, capture_dir),
@@ -18,8 +18,9 @@ import argparse
 from pathlib import Path
 
 from eaglenest.atomic import write_json
-from eaglenest.errors import exit_on_error
+from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.extraction.backends import make_backend
+from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target
@@ -42,15 +43,12 @@ def main(argv=None) -> None:
     name = ex["backend"]
     states = st["states"]
     kw = {"states": states} if name == "hf" else {}  # hf quantizes on its device; others' states in the fill
-    backend = make_backend(
-        name,
-        target=target,
-        taps=taps,
-        dtype=ex["dtype"],
-        device=ex["device"],
-        **kw,
-        **(ex[name] or {}),
-    )
+    options = {"taps": taps, "dtype": ex["dtype"], **kw, **(ex[name] or {})}
+    devices = devices_for(ex["devices"], ex["device"])
+    if len(devices) > 1 and name != "hf":
+        raise EaglenestError(f"extract.devices {ex['devices']!r}: several devices need backend hf ({name} has its own: "
+                             "SGLang's --dp-size in extract.sglang.server_args)")  # fmt: skip
+    backend = make_backend(name, target=target, device=devices[0], **options)
     metrics_path, report_path = paths.metrics("extract", args.part), paths.report("extract", args.part)
     try:
         metrics = extract_part(
@@ -69,6 +67,8 @@ def main(argv=None) -> None:
             max_seq_len=int(params["tokenize"]["max_seq_len"]),
             progress=not args.no_progress,
             writers=ex["writers"] if ex["writers"] != "auto" else None,
+            devices=devices,
+            backend_spec=(name, options),
         )
     except GateFailed as e:
         write_json(report_path, e.metrics)

@@ -306,3 +306,44 @@ def test_write_failure_is_clear_and_keeps_committed_pieces(smollm2, tmp_path):
     assert not (ws / "data" / "hidden" / "p").exists()
     run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=ws)  # limit lifted: completes
     assert verify_store(ws / "data" / "hidden" / "p", progress=False) == []
+
+
+def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_target, tmp_path):
+    """extract.devices: pieces dealt round-robin to worker processes (here 3 on the CPU, as 3 GPUs
+    would be), the gate once: the same keys, digests and shard bytes as one process. A worker that
+    fails is named, and the pieces committed so far are kept for the resume."""
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    tok = write_tokenized(tmp_path / "tok.parquet", random_samples(40, 500, 10, 60, seed=3))
+    spec = ("hf", {"taps": taps, "dtype": "bfloat16"})
+
+    def run(name, work="work", **kw):
+        return extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
+                            backend=HFBackend(tiny_target, taps, device="cpu"), batch_tokens=256, max_seq_len=64,
+                            layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1),
+                            validate_cfg=gate(2), out_dir=tmp_path / name, work_root=tmp_path / work / name,
+                            progress=False, **kw)  # fmt: skip
+
+    one = run("one")
+    three = run("three", devices=["cpu"] * 3, backend_spec=spec)
+    assert one["devices"] == 1 and three["devices"] == 3 and one["pieces"] >= 6
+    a, b = HiddenStore(tmp_path / "one"), HiddenStore(tmp_path / "three")
+    assert a.index == b.index
+    files = sorted(p.relative_to(a.path) for p in a.path.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b.path) for p in b.path.rglob("*") if p.is_file())
+    for f in files:
+        assert (a.path / f).read_bytes() == (b.path / f).read_bytes(), f
+
+    with pytest.raises(EaglenestError, match="worker 1 on cuda:7 failed") as e:
+        run("broken", devices=["cpu", "cuda:7"], backend_spec=spec)
+    assert "rerun to resume" in str(e.value) and not (tmp_path / "broken").exists()
+    resumed = run("broken")  # one process now: the pieces the failed run committed are kept
+    assert 0 < resumed["pieces_resumed"] < resumed["pieces"] and HiddenStore(tmp_path / "broken").index == a.index
+
+
+def test_extract_devices_resolve_to_one_worker_per_device():
+    from eaglenest.extraction.devices import devices_for
+
+    assert devices_for("auto", "cpu") == ["cpu"] and devices_for(1, "auto") == ["auto"]
+    assert devices_for(3, "cpu") == ["cpu"] * 3  # several processes on the CPU: how tests stand in for GPUs
+    with pytest.raises(EaglenestError, match="use device auto or cuda"):
+        devices_for(2, "cuda:1")

@@ -13,22 +13,20 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import zarr
 from tqdm import tqdm
 
 from eaglenest.errors import EaglenestError
+from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.gate import Reference, run_gate
-from eaglenest.extraction.pipeline import host_path_report, run_pieces
-from eaglenest.extraction.plan import plan_pieces
+from eaglenest.extraction.pipeline import extract_pieces, host_path_report
+from eaglenest.extraction.plan import plan_pieces, read_tokenized
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
-from eaglenest.extraction.writers import PieceWriter
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
 from eaglenest.store.bf16 import from_bits
@@ -41,20 +39,9 @@ from eaglenest.store.hidden_store import (
     write_checksums,
     write_index,
 )
-from eaglenest.store.piece_buffers import BufferPool
 from eaglenest.target import Target
 
 log = logging.getLogger(__name__)
-
-
-def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
-    path = Path(path)
-    if not path.is_file():
-        raise EaglenestError(f"{path}: tokenized part not found (run the tokenize stage)")
-    t = pq.read_table(path, columns=["id", "input_ids"])
-    ids = t.column("id").to_pylist()
-    seqs = [np.asarray(x, dtype=np.int32) for x in t.column("input_ids").to_pylist()]
-    return ids, seqs
 
 
 def _open_work_store(work: WorkDir, layout: Layout, n_pieces: int, attrs: dict) -> zarr.Group:
@@ -97,7 +84,11 @@ def _extract_part(
     max_seq_len: int,
     progress: bool = True,
     writers: int | None = None,
+    devices: list[str] | None = None,
+    backend_spec: tuple[str, dict] | None = None,
 ) -> dict:
+    """devices: more than one shares the pending pieces round-robin with worker processes, each
+    building its backend from backend_spec (name, options without the device): `devices`."""
     t0 = time.time()
     names, seqs = read_tokenized(tokenized)
     if not seqs:
@@ -138,38 +129,52 @@ def _extract_part(
     keys = [sample_key(target.fingerprint, efp, s.tobytes()) for s in seqs]
 
     todo_tokens = sum(lengths[i] for p in pending for i in p.samples)
-    # half the cores, at most 8: a GPU host's 16 cores write ~1.7 GB/s of zstd-1 shards with 8
-    # (bench.host_path); the other half run the loop, the fill copies and the backend
-    writers = writers or max(1, min(8, (os.cpu_count() or 2) // 2))
-    writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
-    pool = BufferPool(layout, shared=writer.shared)
+    devices = devices or [described.get("device", "cpu")]
+    world = len(devices)
+    # half the cores, at most 8, over the devices: a GPU host's 16 cores write ~1.7 GB/s of zstd-1
+    # shards with 8 (bench.host_path); the other half run the loops, the fill copies and the backends
+    writers = max(1, (writers or min(8, (os.cpu_count() or 2) // 2)) // world)
+    mine = share(pending, 0, world)
     t_compute = time.time()
-    # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
-    freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
+    workers = freeing = None
     try:
+        if world > 1 and len(pending) > 1:
+            if backend_spec is None:
+                raise EaglenestError(f"{part}: extraction over {world} devices needs the backend's name and options")
+            jobs = [
+                Job(rank=r, device=devices[r], backend=backend_spec[0], backend_kw=backend_spec[1], target=target,
+                    tokenized=Path(tokenized), work_root=Path(work_root), part=part, work_key=work_key, layout=layout,
+                    pieces=share(pending, r, world), keys=keys, batch_tokens=batch_tokens, writers=writers,
+                    threads=cpu_threads(devices))
+                for r in range(1, world)
+            ]  # fmt: skip
+            workers = start(jobs)
+            log.info("%s: %d of %d pieces on %s here, the rest on %s", part, len(mine), len(pending), devices[0],
+                     ", ".join(devices[1:]))  # fmt: skip
+        elif world > 1:
+            mine = pending  # one piece (or none) left: nothing to share
         with (
+            limit_threads(cpu_threads(devices) if workers else None),
             tqdm(
-                total=todo_tokens,
+                total=sum(lengths[i] for p in mine for i in p.samples),
                 unit="tok",
                 unit_scale=True,
-                desc=f"extract {part}",
+                desc=f"extract {part}" + (f" [1 of {world} devices]" if workers else ""),
                 disable=not progress,
                 smoothing=0.1,
             ) as bar,
-            ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill,
         ):
-            try:
-                clock = run_pieces(
-                    pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
-                )
-                t_drain = time.perf_counter()
-            finally:
-                try:
-                    writer.close()
-                finally:  # no copy or writer touches the buffers any more
-                    freeing.start()
+            clock, writer, pool, drain_s = extract_pieces(
+                mine, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar
+            )
+        # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
+        freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
+        freeing.start()
+        if workers is not None:
+            join(workers, jobs)
+            workers = None
         compute_s = time.time() - t_compute
-        host_path = host_path_report(part, clock, writer, writers, time.perf_counter() - t_drain, compute_s)
+        host_path = host_path_report(part, clock, writer, writers, drain_s, compute_s)
         rows = [r for m in work.committed().values() for r in m["samples"]]
         if len(rows) != len(seqs):
             raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
@@ -194,6 +199,7 @@ def _extract_part(
             "compression_ratio": round(raw / max(1, stored_bytes), 3),
             "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
             "extractor_fingerprint": efp,
+            "devices": world,
             "host_path": host_path,
             "validation": gate_metrics,
         }
@@ -204,7 +210,9 @@ def _extract_part(
         metrics["committed"] = True
         return metrics
     finally:
-        if freeing.ident is not None:  # started: joined before any return or raise
+        if workers is not None:  # this process failed first: the workers stop too
+            stop(workers)
+        if freeing is not None:
             freeing.join()
 
 

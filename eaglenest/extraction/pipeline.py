@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import SampleFailed
 from eaglenest.extraction.plan import Piece, length_batches
+from eaglenest.extraction.work_dir import WorkDir
 from eaglenest.extraction.writers import PieceWriter
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import Layout
@@ -99,6 +100,30 @@ class PieceFill:
             for i in p.samples
         ]  # the writer adds each digest
         return rows, fill_s
+
+
+def extract_pieces(pending, seqs, names, keys, backend, layout: Layout, work: WorkDir, batch_tokens: int,
+                   writers: int, bar) -> tuple[dict, PieceWriter, BufferPool, float]:  # fmt: skip
+    """`pending` through the backend into the work store: `writers` background writers (processes
+    when > 1), pooled piece buffers, two fill threads. Returns (where the loop waited, the closed
+    writer, the pool, seconds spent draining the writers); the pool still holds its buffers (GBs)
+    for the caller to free, beside the gate. On failure the pool is freed here."""
+    lengths = [len(s) for s in seqs]
+    writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
+    pool = BufferPool(layout, shared=writer.shared)
+    try:
+        with ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
+            try:
+                clock = run_pieces(
+                    pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
+                )
+                t_drain = time.perf_counter()
+            finally:
+                writer.close()  # no copy or writer touches the buffers after this
+        return clock, writer, pool, time.perf_counter() - t_drain
+    except BaseException:
+        pool.close()
+        raise
 
 
 def run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool) -> dict:

@@ -1,7 +1,24 @@
-"""Deterministic packing of samples into pieces (one zarr shard each) and of a piece's samples
-into length-bucketed batches. Deterministic, so a restarted extraction rebuilds the same plan."""
+"""What an extraction does: the part's samples (`read_tokenized`), packed into pieces (one zarr
+shard each), and a piece's samples into length-bucketed batches. Deterministic, so a restarted
+extraction rebuilds the same plan."""
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from eaglenest.errors import EaglenestError
+
+
+def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
+    path = Path(path)
+    if not path.is_file():
+        raise EaglenestError(f"{path}: tokenized part not found (run the tokenize stage)")
+    t = pq.read_table(path, columns=["id", "input_ids"])
+    ids = t.column("id").to_pylist()
+    seqs = [np.asarray(x, dtype=np.int32) for x in t.column("input_ids").to_pylist()]
+    return ids, seqs
 
 
 @dataclass(frozen=True)
