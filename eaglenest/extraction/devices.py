@@ -120,6 +120,8 @@ def _run(i: int, jobs: list[Job]) -> None:
 
     job = jobs[i]
     torch.set_num_threads(job.threads)
+    if job.device.startswith("cuda:"):  # the backend's streams and events go to the current device
+        torch.cuda.set_device(job.device)
     backend = make_backend(job.backend, target=job.target, device=job.device, **job.backend_kw)
     try:
         names, seqs = read_tokenized(job.tokenized)
