@@ -70,3 +70,37 @@ def test_push_then_pull_into_fresh_clone_runs_no_extraction(produced, remote, tm
     assert "up to date" in sh("dvc status pack", b).stdout
     out = sh("dvc repro pack", b, env_extra=env).stdout
     assert not {s for s in ran(out) if s.startswith(("extract", "tokenize", "target"))}, out
+
+
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+def test_parts_extracted_on_two_machines_meet_in_a_third_clone(remote, smollm2, tmp_path):
+    """DVC as the coordinator of parts across machines: A extracts one part and B the other, each
+    pushing its run-cache; a third clone pulls and runs the whole pipeline without extracting."""
+    add, local, env = remote
+    origin = make_clone(tmp_path / "origin", tiny_params(("m-a", "m-b"), per_part=3))
+    for c in add:
+        sh(c, origin)
+    commit(origin, "shared remote")
+    machines = {}
+    for name, part in (("a", "m-a"), ("b", "m-b")):
+        repo = tmp_path / name
+        sh(f"git clone -q {origin} {repo}", tmp_path)
+        for c in local:
+            sh(c, repo)
+        out = sh(f"dvc repro extract@{part}", repo, env_extra=env).stdout
+        assert f"extract@{part}" in ran(out) and not {
+            s for s in ran(out) if s.startswith("extract@m-") and part not in s
+        }
+        sh("dvc push --run-cache", repo, env_extra=env)
+        machines[part] = repo
+
+    c = tmp_path / "c"
+    sh(f"git clone -q {origin} {c}", tmp_path)
+    for cmd in local:
+        sh(cmd, c)
+    sh("dvc fetch --run-cache", c, env_extra=env)  # the runs and their outputs into the cache; no checkout
+    out = sh("dvc repro --pull", c, env_extra=env).stdout  # restored from the run-cache: "is cached"
+    assert {"pack", "train", "evaluate"} <= ran(out)
+    assert not {s for s in ran(out) if s.startswith(("extract", "tokenize", "generate", "target"))}, out
+    for part, repo in machines.items():
+        assert tree_digest(c / "data/hidden" / part) == tree_digest(repo / "data/hidden" / part)
