@@ -100,7 +100,8 @@ def test_parts_extracted_on_two_machines_meet_in_a_third_clone(remote, smollm2, 
         sh(cmd, c)
     sh("dvc fetch --run-cache", c, env_extra=env)  # the runs and their outputs into the cache; no checkout
     out = sh("dvc repro --pull", c, env_extra=env).stdout  # restored from the run-cache: "is cached"
-    assert {"pack", "train", "evaluate"} <= ran(out)
-    assert not {s for s in ran(out) if s.startswith(("extract", "tokenize", "generate", "target"))}, out
+    # target reruns (its metrics are in git, so DVC cannot restore it: ~20 s, the same bytes); every part's
+    # stages come from A's and B's runs
+    assert ran(out) == {"target", "pack", "train", "evaluate"}, out
     for part, repo in machines.items():
         assert tree_digest(c / "data/hidden" / part) == tree_digest(repo / "data/hidden" / part)
