@@ -19,26 +19,6 @@ import torch
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.gate import token_stats
 from eaglenest.taps import resolve_taps
-from eaglenest.target import materialize
-
-
-def tiny_target(root: Path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "model")
-    return materialize(str(root / "model"), root / "target")
 
 
 def padded_vs_one_by_one(target) -> dict:
@@ -156,7 +136,9 @@ def main():
         "transformers": __import__("transformers").__version__,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        target = tiny_target(Path(tmp))
+        from tests.conftest import make_tiny_target
+
+        target = make_tiny_target(Path(tmp))
         for name, fn in (
             ("padded_vs_one_by_one", lambda: padded_vs_one_by_one(target)),
             ("ttt", ttt_checks),

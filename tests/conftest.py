@@ -40,9 +40,8 @@ def smollm2_tokenizer(smollm2):
     return load_tokenizer(smollm2)
 
 
-@pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory):
-    """An 8-layer random Llama (hidden 64) saved as a HF directory, plus its target.json."""
+def make_tiny_target(root: Path):
+    """An 8-layer random Llama (hidden 64, seed 0) saved under root/model, materialised as root/target."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,9 +57,13 @@ def tiny_target(tmp_path_factory):
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
     )
-    model_dir = tmp_path_factory.mktemp("tiny") / "model"
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
-    return materialize(str(model_dir), model_dir.parent / "target")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "model")
+    return materialize(str(root / "model"), root / "target")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny"))
 
 
 def random_samples(n, vocab, lo, hi, seed=0):
