@@ -234,6 +234,7 @@ def report(work: Path, out: Path) -> None:
     gen = {k: json.loads(p.read_text()) for k, p in parts.items()}
     ext = {p.stem: json.loads(p.read_text()) for p in (m / "extract").glob("*.json")}
     tok = {p.stem: json.loads(p.read_text()) for p in (m / "tokenize").glob("*.json")}
+    cut = [json.loads(p.read_text()) for p in (m / "sharegpt").glob("*.json")]
     by_kind = {}
     for stage, s in times.items():
         kind = stage.split("@")[0]
@@ -250,7 +251,8 @@ def report(work: Path, out: Path) -> None:
         "specforge_tau_ratio": None,
         "wall_s": {"total": round(sum(times.values()), 1), **by_kind},
         "wall_s_per_stage": times,
-        "conversations": sum(g.get("conversations_kept", g.get("conversations", 0)) for g in gen.values()),
+        "conversations": sum(c.get("conversations", 0) for c in cut),
+        "samples": sum(g.get("conversations_kept", g.get("conversations", 0)) for g in gen.values()),
         "generate": {
             "turns_regenerated": sum(g.get("regenerated", 0) for g in gen.values()),
             "turns_total": sum(g.get("assistant_turns", 0) for g in gen.values()),

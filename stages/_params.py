@@ -73,7 +73,7 @@ POS = _int(1)
 
 SCHEMA = {
     "target": {"path": _str, "dtype": DTYPE},
-    "data": {"parts": _list(_str), "sharegpt": {"*": {"start": _int(0), "count": _int(1)}}},
+    "data": {"parts": _list(_str), "sharegpt": {"*": {"start": _int(0), "count": _int(1), "turns": _int(0)}}},
     "generate": {
         "enabled": _bool,
         "max_new_tokens": POS,

@@ -2,14 +2,17 @@
 wheel. The file is truncated upstream: complete records are kept, the cut tail is dropped; roles
 are normalised and conversations without a user->assistant exchange are skipped and counted.
 
-    python -m stages.sharegpt <part> --start N --count N
+    python -m stages.sharegpt <part> --start N --count N [--turns T]
+
+--turns T > 0 makes each of a conversation's first T user turns (with its answer) a conversation
+of its own: short first-turn prompts, the shape MT-bench asks in (profiles/gpu.yaml).
 """
 
 import argparse
 import logging
 
 from eaglenest.atomic import write_json
-from eaglenest.data.conversations import sharegpt_conversations, write_jsonl
+from eaglenest.data.conversations import sharegpt_conversations, split_turns, write_jsonl
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.wheels import package_file
 
@@ -25,21 +28,31 @@ def main(argv=None) -> None:
     ap.add_argument("part")
     ap.add_argument("--start", type=int, required=True, help="first usable conversation")
     ap.add_argument("--count", type=int, required=True, help="number of conversations")
+    ap.add_argument(
+        "--turns", type=int, default=0, help="0: whole conversations; T: each of the first T user turns on its own"
+    )
     args = ap.parse_args(argv)
-    if args.count <= 0 or args.start < 0:
-        raise EaglenestError(f"part {args.part}: start must be >= 0 and count > 0")
+    if args.count <= 0 or args.start < 0 or args.turns < 0:
+        raise EaglenestError(f"part {args.part}: start and turns must be >= 0 and count > 0")
     convs, skipped = sharegpt_conversations(package_file(*SOURCE), args.start, args.count)
     if len(convs) < args.count:
         raise EaglenestError(
             f"part {args.part}: only {len(convs)} usable conversations from {args.start} "
             f"(asked {args.count}); the source has fewer"
         )
-    write_jsonl(convs, paths.part(args.part))
+    samples = split_turns(convs, args.turns) if args.turns else convs
+    write_jsonl(samples, paths.part(args.part))
     write_json(
         paths.metrics("sharegpt", args.part),
-        {"conversations": len(convs), "skipped_while_scanning": dict(skipped)},
+        {"conversations": len(convs), "samples": len(samples), "skipped_while_scanning": dict(skipped)},
     )
-    log.info("part %s: %d conversations (skipped while scanning: %s)", args.part, len(convs), dict(skipped))
+    log.info(
+        "part %s: %d conversations -> %d samples (skipped while scanning: %s)",
+        args.part,
+        len(convs),
+        len(samples),
+        dict(skipped),
+    )
 
 
 if __name__ == "__main__":

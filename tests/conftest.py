@@ -257,7 +257,7 @@ def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4) -> dict:
     p = yaml.safe_load((REPO / "params.yaml").read_text())
     p["data"] = {
         "parts": list(parts),
-        "sharegpt": {name: {"start": i * per_part, "count": per_part} for i, name in enumerate(parts)},
+        "sharegpt": {name: {"start": i * per_part, "count": per_part, "turns": 0} for i, name in enumerate(parts)},
     }
     p["tokenize"]["max_seq_len"] = 192
     p["store"].update(chunk_mb=0.1, shard_mb=1)

@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from eaglenest.data.conversations import clean_exchange, iter_salvaged_json_array, read_jsonl, sharegpt_conversations
+from eaglenest.data.conversations import (
+    clean_exchange,
+    iter_salvaged_json_array,
+    read_jsonl,
+    sharegpt_conversations,
+    split_turns,
+)
 from eaglenest.errors import EaglenestError
 
 GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -80,3 +86,27 @@ def test_builtin_sharegpt_parts_are_disjoint_and_clean():
     for c in a + b:
         body = [x for x in c["messages"] if x["role"] != "system"]
         assert [x["role"] for x in body] == ["user", "assistant"] * (len(body) // 2)
+
+
+def test_split_turns_makes_each_early_user_turn_a_first_turn():
+    sys_ = {"role": "system", "content": "be brief"}
+    turns = [{"role": r, "content": f"{r}{i}"} for i in range(3) for r in ("user", "assistant")]
+    convs = [{"id": "a", "messages": [sys_] + turns}, {"id": "b", "messages": turns[:2]}]
+    out = split_turns(convs, 2)
+    assert [c["id"] for c in out] == ["a@t0", "a@t1", "b@t0"]
+    assert out[1]["messages"] == [sys_, turns[2], turns[3]]  # earlier turns dropped, system kept
+    assert out[2]["messages"] == turns[:2]
+    assert len(split_turns(convs, 5)) == 4  # never more turns than a conversation has
+
+
+def test_sharegpt_stage_turns_option(tmp_path, monkeypatch):
+    import stages.sharegpt as stage
+
+    monkeypatch.chdir(tmp_path)
+    stage.main(["p", "--start", "0", "--count", "6", "--turns", "2"])
+    rows, _ = read_jsonl(tmp_path / "data/parts/p.jsonl")
+    metrics = json.loads((tmp_path / "metrics/sharegpt/p.json").read_text())
+    assert metrics["conversations"] == 6 and metrics["samples"] == len(rows) > 6
+    assert all(c["id"].rsplit("@t", 1)[1] in ("0", "1") for c in rows)
+    for c in rows:
+        assert [m["role"] for m in c["messages"] if m["role"] != "system"] == ["user", "assistant"]

@@ -47,3 +47,18 @@ def test_what_each_stage_reads_and_writes_is_what_dvc_yaml_declares():
         outs, deps = declared(stage)
         assert writes[name] <= outs, (name, writes[name] - outs)
         assert reads.get(name, set()) <= deps, (name, reads[name] - deps)
+
+
+def test_every_profile_gives_valid_params(tmp_path):
+    """A profile applied to params.yaml passes the params schema (no key missing, none unknown)."""
+    import shutil
+
+    from eaglenest.profile import apply
+    from stages import _params
+
+    profiles = sorted((REPO / "profiles").glob("*.yaml"))
+    assert profiles
+    for profile in profiles:
+        shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+        apply(profile, tmp_path / "params.yaml")
+        _params.validate(yaml.safe_load((tmp_path / "params.yaml").read_text()))

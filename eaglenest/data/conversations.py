@@ -188,3 +188,17 @@ def sharegpt_conversations(path: Path, start: int, count: int) -> tuple[list[dic
         if seen[c["id"]] > 1:
             c["id"] = f"{c['id']}#{seen[c['id']]}"
     return kept, skipped
+
+
+def split_turns(convs: list[dict], turns: int) -> list[dict]:
+    """Each of the first `turns` user turns of every conversation as a conversation of its own
+    (system turn kept, earlier turns dropped), id `<id>@t<i>`: more prompts that look like a first
+    turn, the shape chat benchmarks such as MT-bench ask in."""
+    out = []
+    for c in convs:
+        msgs = c["messages"]
+        system = [msgs[0]] if msgs[0]["role"] == "system" else []
+        body = msgs[len(system) :]
+        for i in range(0, min(2 * turns, len(body) - 1), 2):
+            out.append({"id": f"{c['id']}@t{i // 2}", "messages": system + body[i : i + 2]})
+    return out
