@@ -100,7 +100,8 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     print(f"{work}: profile {profile}, {len(changes)} key(s) set")
     if not (work / ".git").exists():
         sh(["git", "init", "-q"], work)
-    sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics"], work)
+    # data/, metrics/ and reports/ hold DVC outputs: DVC refuses an output that git tracks
+    sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics", ":!reports"], work)
     commit(work, "gpu profile")
 
 

@@ -208,3 +208,31 @@ def test_flex_ttt_attention_forward_equals_eager():
         flex = d(aux, ids, emb, 4)
     for k, (a, b) in enumerate(zip(eager, flex)):
         assert torch.allclose(a, b, atol=1e-4), (k, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("attention", ["eager", "flex"])
+def test_padding_a_batch_to_a_fixed_shape_leaves_the_loss_and_gradients_unchanged(attention):
+    """Bucketed batches (data/packed.py) pad rows and columns with loss_mask 0: the loss, stats and
+    gradients equal those of the batch at its own shape (right padding is causal-invisible). The
+    flex kernel has no backward on the CPU: its forward only."""
+    from eaglenest.drafter.ttt import ttt_loss
+
+    batch, emb = _loss_batch(B=2, T=20), torch.nn.Embedding(300, 64)
+    padded = {k: torch.zeros((3, 32, *v.shape[2:]), dtype=v.dtype) for k, v in batch.items()}
+    for k, v in batch.items():
+        padded[k][:2, :20] = v
+    head = torch.randn(40, 64) * 0.3
+    results = []
+    for b in (batch, padded):
+        d = make_drafter().float()
+        d.set_attention(attention)
+        with torch.set_grad_enabled(attention == "eager"):
+            loss, stats = ttt_loss(d, b, emb, head, 3, [30.0, 29.0, 28.0], fused=False)
+        if attention == "eager":
+            loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert bool(g0) == (attention == "eager")
+    assert torch.allclose(l0, l1, rtol=1e-5) and torch.allclose(s0, s1, rtol=1e-5)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6), n

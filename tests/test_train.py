@@ -189,3 +189,24 @@ def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_pat
     monkeypatch.setattr(T, "training_code_digest", lambda: "edited")
     b = trainer()
     assert not b.maybe_resume() and b.state["global_step"] == 0
+
+
+def test_bucketed_batches_have_few_fixed_shapes_and_hold_every_sample_once(tiny_packed):
+    from eaglenest.data.packed import batch_shape, bucket_width, epoch_batches
+
+    split = PackedSplit(tiny_packed / "data/packed", "train")
+    lengths = [split.length(i) for i in range(len(split))]
+    assert bucket_width(640) == 128 and bucket_width(2048) == 256 and bucket_width(100) == 128
+    q, budget = 32, 256
+    for epoch in (0, 1):
+        batches = epoch_batches(split, epoch, 0, budget, bucket=q)
+        assert sorted(i for b in batches for i in b) == list(range(len(split)))
+        shapes = {batch_shape([lengths[i] for i in b], q, budget) for b in batches}
+        by_len = {}
+        for rows, T in shapes:
+            assert T % q == 0 and (rows * T <= budget or rows == 1)
+            by_len.setdefault(T, set()).add(rows)
+        assert all(len(r) == 1 for r in by_len.values())  # one shape per padded length
+        assert len(shapes) <= -(-max(lengths) // q)
+    # bucket 0 keeps the previous grouping (CPU runs reproduce bit for bit)
+    assert epoch_batches(split, 0, 0, budget) == epoch_batches(split, 0, 0, budget, bucket=0)

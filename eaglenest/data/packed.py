@@ -50,10 +50,34 @@ def load_vocab(root: Path) -> dict:
     return load_file(str(Path(root) / "vocab.safetensors"))
 
 
-def epoch_batches(split: PackedSplit, epoch: int, seed: int, batch_tokens: int) -> list[list[int]]:
-    """Shuffle samples (seeded by epoch), then group consecutive ones while count x longest fits."""
+def bucket_width(max_len: int, shapes: int = 8) -> int:
+    """Padding granularity that gives at most `shapes` sequence lengths up to max_len (a multiple
+    of 64, at least 128): few enough shapes for compiled kernels not to hit torch's recompile limit."""
+    return max(128, -(-max_len // shapes // 64) * 64)
+
+
+def epoch_batches(split: PackedSplit, epoch: int, seed: int, batch_tokens: int, bucket: int = 0) -> list[list[int]]:
+    """Shuffle samples (seeded by epoch), then group them into batches of at most batch_tokens
+    padded tokens.
+
+    bucket 0: consecutive samples while count x longest fits (any shape; eager kernels).
+    bucket q: fixed shapes for compiled kernels. A sample goes to the open batch of its length
+    rounded up to q; a batch of length T closes at batch_tokens // T rows (`batch_shape`), so
+    each T has one shape, and a batch pads to a multiple of q instead of its longest sample
+    (short-sample data: far less padding too). Batches come out as they fill; each length's
+    unfilled last batch comes at the end of the epoch."""
     order = np.random.default_rng([seed, epoch]).permutation(len(split)).tolist()
     batches, cur, longest = [], [], 0
+    if bucket:
+        open_ = {}
+        for i in order:
+            T = -(-split.length(i) // bucket) * bucket
+            cur = open_.setdefault(T, [])
+            cur.append(i)
+            if len(cur) == max(1, batch_tokens // T):
+                batches.append(cur)
+                open_[T] = []
+        return batches + [b for _, b in sorted(open_.items()) if b]
     for i in order:
         n = split.length(i)
         if cur and (len(cur) + 1) * max(longest, n) > batch_tokens:
@@ -66,13 +90,22 @@ def epoch_batches(split: PackedSplit, epoch: int, seed: int, batch_tokens: int) 
     return batches
 
 
-def collate(split: PackedSplit, idx: list[int]) -> dict:
-    """Right-padded tensors [B, T, ...]: the state arrays as stored (`decode_states` turns them into
-    aux [B,T,A,H] / final [B,T,H] bf16), input_ids/loss_mask/in_vocab int64."""
+def batch_shape(lengths: list[int], bucket: int = 0, batch_tokens: int = 0) -> tuple[int, int]:
+    """(rows, T) a batch pads to: its own size with bucket 0, else the fixed shape of its length."""
+    if not bucket:
+        return len(lengths), max(lengths)
+    T = -(-max(lengths) // bucket) * bucket
+    return max(len(lengths), batch_tokens // T), T
+
+
+def collate(split: PackedSplit, idx: list[int], shape: tuple[int, int] | None = None) -> dict:
+    """Right-padded tensors [B, T, ...] (shape: at least (B, T) = (rows, longest); padding rows and
+    columns have loss_mask 0): the state arrays as stored (`decode_states` turns them into aux
+    [B,T,A,H] / final [B,T,H] bf16), input_ids/loss_mask/in_vocab int64."""
     items = [split.get(i) for i in idx]
-    T = max(len(x["input_ids"]) for x in items)
+    B, T = shape or (len(items), max(len(x["input_ids"]) for x in items))
     out = {
-        k: np.zeros((len(items), T, *items[0][k].shape[1:]), np.int64 if k in TOKEN_ARRAYS else items[0][k].dtype)
+        k: np.zeros((B, T, *items[0][k].shape[1:]), np.int64 if k in TOKEN_ARRAYS else items[0][k].dtype)
         for k in split.names
     }
     for b, x in enumerate(items):

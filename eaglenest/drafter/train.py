@@ -19,7 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eaglenest.data.packed import PackedSplit, collate, decode_states, epoch_batches, load_vocab
+from eaglenest.data.packed import (
+    PackedSplit,
+    batch_shape,
+    bucket_width,
+    collate,
+    decode_states,
+    epoch_batches,
+    load_vocab,
+)
 from eaglenest.drafter import checkpoint
 from eaglenest.drafter.acceptance import summarize
 from eaglenest.drafter.config import DrafterConfig
@@ -81,6 +89,11 @@ class Trainer:
             raise EaglenestError(f"train.compile must be auto, true or false, got {cfg.compile!r}")
         if compile_on:
             self.model.compile_blocks()
+        # the flex kernel is compiled for fixed shapes (attention.py): batches of a few fixed
+        # shapes, or every new (rows, length) recompiles until torch falls back to the eager
+        # kernel (25x slower on short-sample data, measured on an H200)
+        longest = max(s.length(i) for s in (self.train_split, self.val_split) for i in range(len(s)))
+        self.bucket = bucket_width(longest) if attention == "flex" and self.device.type == "cuda" else 0
         self.embed = FrozenEmbedding(heads["embed"]).to(self.device)
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
@@ -89,7 +102,7 @@ class Trainer:
             raise EaglenestError(
                 f"train.micro_batches {cfg.micro_batches} must be a multiple of the world size {self.world}"
             )
-        self.steps_per_epoch = len(epoch_batches(self.train_split, 0, cfg.seed, cfg.batch_tokens)) // cfg.micro_batches
+        self.steps_per_epoch = len(self.batches(self.train_split, 0)) // cfg.micro_batches
         if self.steps_per_epoch == 0:
             raise EaglenestError(f"too little training data for one step of {cfg.micro_batches} micro-batches")
         self.total_steps = self.steps_per_epoch * cfg.epochs
@@ -143,6 +156,12 @@ class Trainer:
         return True
 
     # --- steps ----------------------------------------------------------------------------------
+    def batches(self, split: PackedSplit, epoch: int) -> list[list[int]]:
+        return epoch_batches(split, epoch, self.cfg.seed, self.cfg.batch_tokens, self.bucket)
+
+    def collate(self, split: PackedSplit, idx: list[int]) -> dict:
+        return collate(split, idx, batch_shape([split.length(i) for i in idx], self.bucket, self.cfg.batch_tokens))
+
     def _to_dev(self, b: dict) -> dict:
         # hidden states arrive as stored (bf16 bits or fp8 + scales) and are decoded on the device;
         # master math is fp32 (autocast, when on, picks bf16 kernels)
@@ -153,7 +172,7 @@ class Trainer:
         """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's
         global mask counts): `fit` runs it for the next step while the GPU computes this one."""
         denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
-        batches = [collate(self.train_split, mb) for mb in micro[self.rank :: self.world]]
+        batches = [self.collate(self.train_split, mb) for mb in micro[self.rank :: self.world]]
         if self.device.type == "cuda":
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return denom, batches
@@ -191,12 +210,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         stats = torch.zeros(self.K, 3, device=self.device)
-        batches = epoch_batches(self.val_split, 0, self.cfg.seed, self.cfg.batch_tokens)
+        batches = self.batches(self.val_split, 0)
         for mb in batches[self.rank :: self.world]:
             with self.autocast:
                 _, st = ttt_loss(
                     self.model,
-                    self._to_dev(collate(self.val_split, mb)),
+                    self._to_dev(self.collate(self.val_split, mb)),
                     self.embed,
                     self.head_sel,
                     self.K,
@@ -229,7 +248,7 @@ class Trainer:
         t0, tokens = time.time(), 0
         while self.state["epoch"] < self.cfg.epochs:
             ep = self.state["epoch"]
-            batches = epoch_batches(self.train_split, ep, self.cfg.seed, self.cfg.batch_tokens)
+            batches = self.batches(self.train_split, ep)
             M = self.cfg.micro_batches  # an incomplete tail step is dropped: every world size sees the same steps
             steps = [batches[i : i + M] for i in range(0, len(batches) - M + 1, M)]
             ep_stats = torch.zeros(self.K, 3, device=self.device)
