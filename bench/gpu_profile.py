@@ -105,7 +105,26 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     commit(work, "gpu profile")
 
 
+LOCK_OK = "bench/out/dvc.lock.ok"
+
+
+def keep_lock(work: Path) -> None:
+    """A copy of dvc.lock after each finished stage: an interrupted stage once left dvc.lock empty
+    (pack stopped at the budget), and DVC then refuses every command."""
+    shutil.copy2(work / "dvc.lock", work / LOCK_OK)
+
+
+def check_lock(work: Path) -> None:
+    import yaml
+
+    lock, ok = work / "dvc.lock", work / LOCK_OK
+    if lock.exists() and not isinstance(yaml.safe_load(lock.read_text()), dict) and ok.exists():
+        print(f"dvc.lock was left unreadable; restored the copy taken after the last finished stage ({LOCK_OK})")
+        shutil.copy2(ok, lock)
+
+
 def stages(work: Path) -> list[str]:
+    check_lock(work)
     out = subprocess.run(
         ["dvc", "stage", "list", "--name-only"], cwd=work, check=True, text=True, capture_output=True
     ).stdout
@@ -167,6 +186,7 @@ def run(work: Path, budget: float, min_left: float) -> None:
         if rc != 0:
             print("".join(lines[-40:]))
             sys.exit(f"{stage} failed ({rc})")
+        keep_lock(work)
         if any("Running stage" in ln for ln in lines):
             times = add_time(work, stage, time.time() - t)
             print(f"== {stage}: {times[stage]:.1f} s", flush=True)

@@ -16,7 +16,10 @@ _flex = None
 def _compiled():
     global _flex
     if _flex is None:
-        _flex = torch.compile(flex_attention, dynamic=False)
+        # dynamic: the keys grow by T at every TTT step, so K steps x each batch length are that
+        # many shapes; compiled per shape, the 9th hit torch's recompile limit and every later
+        # call ran the eager kernel (6k instead of 54k tok/s, bench/gpu_train_shapes.py)
+        _flex = torch.compile(flex_attention, dynamic=True)
     return _flex
 
 
