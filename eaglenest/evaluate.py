@@ -37,6 +37,17 @@ def mtbench_prompts(limit: int | None = None) -> list[dict]:
     return [{"id": r["question_id"], "category": r["category"], "text": r["turns"][0]} for r in rows][:limit]
 
 
+def prompt_ids(tok, prompts: list[dict]) -> list[list[int]]:
+    """Each question as its first user turn under the target's chat template, generation prompt added."""
+    ids = []
+    for p in prompts:
+        x = tok.apply_chat_template(
+            [{"role": "user", "content": p["text"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        ids.append(list(x["input_ids"] if isinstance(x, dict) else x))
+    return ids
+
+
 def acceptance(accepted: list[int], k: int) -> dict:
     acc = np.asarray(accepted)
     return {
@@ -66,12 +77,7 @@ def evaluate(
         raise EaglenestError(f"{drafter_dir}: drafter vocab {drafter.config.vocab_size} != target {target.vocab_size}")
     taps, embed = drafter.config.taps, model.get_input_embeddings()
     eos = stop_ids(model, tok) | {tok.eos_token_id}
-    ids = []
-    for p in prompts:
-        x = tok.apply_chat_template(
-            [{"role": "user", "content": p["text"]}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        ids.append(list(x["input_ids"] if isinstance(x, dict) else x))
+    ids = prompt_ids(tok, prompts)
 
     # outputs per question: plain greedy, and per k the speculative tokens and accepted drafts
     timed = ids[:speed_questions]

@@ -115,3 +115,31 @@ def test_out_of_range_taps_fail_clearly(clone):
     # DVC clears a stage's outs before running it; the committed version is still in the cache
     sh("dvc checkout -q data/hidden/tiny-a", clone)
     assert verify_store(clone / "data/hidden/tiny-a", progress=False) == []
+
+
+def test_vllm_serves_the_exported_drafter_as_the_offline_evaluation_says(built, tmp_path):
+    """vLLM's CPU build (`make vllm-env`, a real OpenAI server on 127.0.0.1) loads the pipeline's
+    exported drafter unchanged, drafts k tokens per step, stays lossless against its own plain
+    greedy decoding, and its acceptance counters agree with this project's offline decoder on the
+    same prompt tokens and budget."""
+    from eaglenest.evaluate import mtbench_prompts
+    from eaglenest.serve_check import VLLM_PYTHON, serve_check
+    from eaglenest.target import load_target
+
+    from .conftest import REPO
+
+    repo = built[0]
+    m, per_q = serve_check(
+        load_target(repo / "data/target"),
+        repo / "data/drafter",
+        mtbench_prompts(4),
+        k=3,
+        max_new_tokens=24,
+        python=REPO / VLLM_PYTHON,
+        log_dir=tmp_path,
+    )
+    assert m["questions"] == len(per_q) == 4
+    assert m["identical_to_greedy"] == m["offline_identical_to_greedy"] == 4, per_q
+    assert m["drafts"] > 0 and m["draft_tokens"] == 3 * m["drafts"]
+    assert len(m["accept_per_position_engine"]) == 3
+    assert abs(m["tau_gap"]) < 0.05, m
