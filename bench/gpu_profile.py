@@ -327,6 +327,8 @@ def report(work: Path, out: Path) -> None:
     for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json"):
         if (m / rel).exists():
             shutil.copy(m / rel, out / rel)
+    if (work / "data" / "drafter" / "config.json").exists():  # the drafter itself (~45 MB): served on the CPU later
+        shutil.copytree(work / "data" / "drafter", out / "drafter", dirs_exist_ok=True)
     with open(out / "stage_logs.txt", "w") as f:  # the end of each stage's output
         for log in sorted((work / "bench" / "out" / "logs").glob("*.log")):
             f.write(f"==== {log.stem}\n" + "".join(log.read_text(errors="replace").splitlines(True)[-25:]))
