@@ -5,5 +5,5 @@ CAPTURE_VERSIONS: bump a backend's number when a change alters what it captures 
 extractor fingerprint). STORE_SCHEMA_VERSION: bump when the store layout changes (readers refuse
 other versions). Changes that cannot alter the bytes (logging, speed) leave both alone."""
 
-CAPTURE_VERSIONS = {"hf": 1, "sglang": 1}
+CAPTURE_VERSIONS = {"hf": 1, "sglang": 1, "vllm": 1}
 STORE_SCHEMA_VERSION = 2

@@ -87,7 +87,7 @@ SCHEMA = {
     },
     "tokenize": {"max_seq_len": _int(8), "on_error": _one_of("fail", "skip")},
     "extract": {
-        "backend": _one_of("hf", "sglang"),
+        "backend": _one_of("hf", "sglang", "vllm"),
         "taps": _either(_one_of("auto"), _list(_int(0), 3, 3), what="auto or three layer indices >= 0"),
         "dtype": DTYPE,
         "revision": _int(0),
@@ -108,6 +108,13 @@ SCHEMA = {
             "request_timeout_s": _num(0, lo_open=True),
             "startup_timeout_s": _num(0, lo_open=True),
             "space_timeout_s": _num(0),
+            "log_dir": _str,
+        },
+        "vllm": {
+            "python": _str,
+            "server_args": _list(_either(_str, _num(), what="x"), min_len=0),
+            "concurrency": POS,
+            "startup_timeout_s": _num(0, lo_open=True),
             "log_dir": _str,
         },
     },

@@ -4,7 +4,7 @@
     params: extract.* (backend, taps, dtype, device, devices, batch_tokens, writers, revision, work_dir;
             extract.hf.compile for the hf backend: auto = decoder layers compiled on CUDA;
             extract.sglang.* for the sglang backend: server_url or launch-and-stop, concurrency,
-            retries, capture_dir),
+            retries, capture_dir; extract.vllm.* for the vllm backend: python, server_args, concurrency),
             store.* (codec, level, chunk_mb, shard_mb, states: bf16 | fp8), validate.* (gate),
             tokenize.max_seq_len
 Writes metrics/extract/<part>.json (the headline figures `dvc metrics show` tabulates: tokens,
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     devices = devices_for(ex["devices"], ex["device"])
     if len(devices) > 1 and name != "hf":
         raise EaglenestError(f"extract.devices {ex['devices']!r}: several devices need backend hf ({name} has its own: "
-                             "SGLang's --dp-size in extract.sglang.server_args)")  # fmt: skip
+                             f"--dp-size / --data-parallel-size in extract.{name}.server_args)")  # fmt: skip
     backend = make_backend(name, target=target, device=devices[0], **options)
     metrics_path, report_path = paths.metrics("extract", args.part), paths.report("extract", args.part)
     try:
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
         write_json(metrics_path, headline(e.metrics))
         raise
     finally:
-        backend.close()  # stops a server the sglang backend launched
+        backend.close()  # stops a server the sglang or vllm backend launched
     write_json(report_path, metrics)
     write_json(metrics_path, headline(metrics))
 

@@ -24,4 +24,8 @@ def make_backend(name: str, **kwargs):
         from .sglang_client import SGLangBackend
 
         return SGLangBackend(**kwargs)
-    raise EaglenestError(f"extract.backend {name!r} is not supported (supported: hf, sglang)")
+    if name == "vllm":
+        from .vllm import VLLMBackend
+
+        return VLLMBackend(**kwargs)
+    raise EaglenestError(f"extract.backend {name!r} is not supported (supported: hf, sglang, vllm)")

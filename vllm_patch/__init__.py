@@ -1,0 +1,1 @@
+"""Code that runs inside a vLLM server (`make vllm-env`): the hidden-state capture connector."""
