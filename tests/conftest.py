@@ -302,3 +302,23 @@ def ran(stdout: str) -> set[str]:
     import re
 
     return set(re.findall(r"Running stage '([^']+)'", stdout))
+
+
+def cosine(a, b):
+    import torch
+
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+def assert_stores_agree(store, ref, seqs, min_cosine: float) -> None:
+    """Two backends' stores of the same samples: the same ids (those sent), and states whose per-token
+    cosine to the reference store's is > 0.999 on average and > min_cosine everywhere."""
+    from eaglenest.store.bf16 import from_bits
+
+    for i in range(len(seqs)):
+        ids, aux, fin = store.read(i)
+        ids_r, aux_r, fin_r = ref.read(i)
+        assert np.array_equal(ids, ids_r) and np.array_equal(ids, seqs[i])
+        for x, y in ((from_bits(aux), from_bits(aux_r)), (from_bits(fin), from_bits(fin_r))):
+            c = cosine(x, y)
+            assert c.mean() > 0.999 and c.min() > min_cosine, (i, c.mean().item(), c.min().item())

@@ -13,7 +13,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,13 +22,12 @@ from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.backends.sglang_client import SGLangBackend
 from eaglenest.extraction.backends.sglang_server import LaunchedServer, free_port
 from eaglenest.extraction.loop import extract_part
-from eaglenest.store.bf16 import from_bits
 from eaglenest.store.hidden_store import HiddenStore
 from eaglenest.taps import resolve_taps
 from sglang_patch import launch
 from sglang_patch.protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS
 
-from .conftest import REPO, make_clone, random_samples, sh, tiny_params, write_tokenized
+from .conftest import REPO, assert_stores_agree, cosine, make_clone, random_samples, sh, tiny_params, write_tokenized
 
 pytestmark = pytest.mark.slow
 SGPY = REPO / ".venv-sglang" / "bin" / "python"
@@ -127,10 +125,6 @@ def client(smollm2, srv, taps=None, **kw) -> SGLangBackend:
     return SGLangBackend(
         smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url, capture_dir=str(srv.capture_dir), **kw
     )
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
 # --- the capture code alone -----------------------------------------------------------------------
@@ -264,13 +258,7 @@ def test_parity_with_hf_store_and_gate(server, smollm2, tmp_path):
     s, h = stores["sglang"], stores["hf"]
     assert s.attrs["extractor"]["backend_version"].startswith("sglang-0.5.")
     assert s.attrs["extractor_fingerprint"] != h.attrs["extractor_fingerprint"]
-    for i in range(len(seqs)):
-        ids_s, aux_s, fin_s = s.read(i)
-        ids_h, aux_h, fin_h = h.read(i)
-        assert np.array_equal(ids_s, ids_h) and np.array_equal(ids_s, seqs[i])
-        for x, y in ((from_bits(aux_s), from_bits(aux_h)), (from_bits(fin_s), from_bits(fin_h))):
-            c = cosine(x, y)
-            assert c.mean() > 0.999 and c.min() > 0.99, (i, c.mean().item(), c.min().item())
+    assert_stores_agree(s, h, seqs, min_cosine=0.99)
 
 
 def test_32_concurrent_requests_each_match_their_own(server, smollm2):
