@@ -13,7 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
@@ -62,7 +61,7 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="vllm-extract-"))
     try:
         table = pq.read_table(a.tokenized).slice(0, a.samples)
-        pq.write_table(pa.Table.from_batches(table.to_batches(), table.schema), work / "part.parquet")
+        pq.write_table(table, work / "part.parquet")
         res = {"target": target.spec, "tokenized": str(a.tokenized), "samples": table.num_rows,
                "thresholds": {k: v for k, v in validate.items() if k.startswith(("min_", "max_"))}}  # fmt: skip
         for name in ("vllm", "hf") if a.hf else ("vllm",):

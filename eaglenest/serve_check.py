@@ -4,12 +4,9 @@ decodes MT-bench first turns greedily, and its own speculative-decoding counters
 the engine's tau and acceptance per position. The same engine without the drafter gives plain
 greedy outputs to check losslessness against, and this project's decoder (`evaluate`) gives the
 offline tau on exactly the same prompt tokens and budget. A gap beyond noise is a bug in one of
-them (tap numbering, d2t, RoPE, norm placement, the bonus token).
+them (tap numbering, d2t, RoPE, norm placement, the bonus token). Command: `python -m
+stages.serve_vllm` (not a DVC stage: it needs `.venv-vllm`)."""
 
-    python -m eaglenest.serve_check [--questions 80] [--k 3] [--max-new-tokens 64]
-"""
-
-import argparse
 import json
 import logging
 import os
@@ -18,10 +15,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError, exit_on_error
-from eaglenest.evaluate import evaluate, mtbench_prompts, prompt_ids
+from eaglenest.errors import EaglenestError
+from eaglenest.evaluate import evaluate, prompt_ids
 from eaglenest.server_process import ServerProcess, free_port, installed_version, post_json
-from eaglenest.target import Target, load_target, load_tokenizer
+from eaglenest.target import Target, load_tokenizer
 
 log = logging.getLogger(__name__)
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
@@ -125,41 +122,3 @@ def serve_check(
     }
     metrics["tau_gap"] = metrics["tau_engine"] - metrics["tau_offline"]
     return metrics, per_q
-
-
-@exit_on_error
-def main(argv=None) -> None:
-    import yaml
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", type=Path, default=Path("data/drafter"), help="an exported drafter directory")
-    ap.add_argument("--target", type=Path, default=Path("data/target"), help="the materialised target")
-    ap.add_argument("--questions", type=int, default=80, help="MT-bench first turns")
-    ap.add_argument("--k", type=int, help="draft tokens (default: the first of params.yaml evaluate.k)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--python", type=Path, default=VLLM_PYTHON, help="the vLLM environment's interpreter")
-    ap.add_argument("--out", type=Path, default=Path("metrics/serve_vllm.json"))
-    a = ap.parse_args(argv)
-    if a.k is None:
-        ks = yaml.safe_load(Path("params.yaml").read_text())["evaluate"]["k"]
-        a.k = ks[0] if isinstance(ks, list) else ks
-    if not (a.drafter / "config.json").is_file():
-        raise EaglenestError(f"{a.drafter}: no exported drafter (config.json); run `dvc repro train` first")
-    metrics, per_q = serve_check(load_target(a.target), a.drafter, mtbench_prompts(a.questions), a.k, a.max_new_tokens,
-                                 a.python)  # fmt: skip
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({**metrics, "per_question": per_q}, indent=1) + "\n")
-    log.info(
-        "vLLM tau %.3f vs offline %.3f at k=%d (%d questions x %d tokens); %d/%d identical to greedy",
-        metrics["tau_engine"],
-        metrics["tau_offline"],
-        a.k,
-        metrics["questions"],
-        a.max_new_tokens,
-        metrics["identical_to_greedy"],
-        metrics["questions"],
-    )
-
-
-if __name__ == "__main__":
-    main()
