@@ -1,6 +1,7 @@
 """Training: pack outputs, exact resume, DDP (2 gloo processes) == 1 process, speculative decoding."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -14,7 +15,7 @@ from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculat
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.target import load_model
 
-from .conftest import build_packed, random_samples, run_py, train_params
+from .conftest import REPO, build_packed, random_samples, run_py, train_params
 
 
 def workspace_copy(src, dst, **train_over):
@@ -109,6 +110,44 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tiny_packed, tmp_path):
         assert torch.allclose(v.float(), b.state_dict()[k].float(), atol=1e-6), k
     m = json.loads((full / "metrics/train.json").read_text())
     assert m["epochs"] == 2 and 1.0 <= m["val_simulated_tau"] <= 4.0
+
+
+def test_an_interrupt_checkpoints_the_step_it_stopped_at_and_the_rerun_resumes_there(tiny_packed, tmp_path):
+    """SIGINT mid-training (as DVC, a scheduler or a time limit sends it): the running step finishes,
+    a checkpoint is saved although ckpt_every is far off, the exit is non-zero, and a rerun resumes."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=400, ckpt_every=10**6)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "stages.train"], cwd=ws, env=env, stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: p.stderr.read(1), "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 300
+    while not re.search(r"\|\s*([3-9]|\d\d+)/\d+ \[", "".join(err)):  # the bar shows step >= 3
+        assert p.poll() is None and time.time() < deadline, "".join(err)[-3000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(120) == 2
+    reader.join(10)
+    out = "".join(err)
+    m = re.search(r"training interrupted \(SIGINT\) at step (\d+); checkpoint saved", out)
+    assert m, out[-3000:]
+    step = int(m.group(1))
+    assert step >= 3
+    state = torch.load(next((ws / ".eaglenest/train").glob("last-*.pt")), weights_only=False)["state"]
+    assert state["global_step"] == step
+    assert not (ws / "data/drafter").exists()  # nothing exported from an interrupted run
+    p = run_py(["-m", "stages.train", "--stop-after-steps", str(step + 2)], cwd=ws)
+    assert re.search(rf"resumed from .* step {state['step_in_epoch']}\b", p.stderr), p.stderr[-2000:]
+    assert len(history(ws)) == step + 2
 
 
 def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):

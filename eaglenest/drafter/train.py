@@ -10,6 +10,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -240,9 +242,34 @@ class Trainer:
         )
         loader = ThreadPoolExecutor(1, thread_name_prefix="batch-loader")  # the next step's batches
         try:
-            return self._fit(on_epoch, stop_after_steps, bar, loader)
+            with self.checkpoint_on_interrupt():
+                return self._fit(on_epoch, stop_after_steps, bar, loader)
         finally:
             loader.shutdown(wait=True, cancel_futures=True)
+
+    @contextlib.contextmanager
+    def checkpoint_on_interrupt(self):
+        """Ctrl-C or SIGTERM (DVC, a job scheduler, a call's time limit) finishes the running step,
+        saves a checkpoint and then stops: the next run resumes there, not at the last `ckpt_every`.
+        One process only: under DDP the ranks would have to agree on the step, so there the signal
+        stops at once as before."""
+        self.interrupted = None
+        if self.world > 1 or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def note(signum, frame):
+            if self.interrupted is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.interrupted = signal.Signals(signum).name
+            log.warning("%s: finishing this step, then saving a checkpoint (again to stop at once)", self.interrupted)
+
+        old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
     def _fit(self, on_epoch, stop_after_steps, bar, loader) -> dict:
         t0, tokens = time.time(), 0
@@ -267,6 +294,13 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}")
                 if self.state["global_step"] % self.cfg.ckpt_every == 0:
                     self.save_checkpoint()
+                if self.interrupted:
+                    self.save_checkpoint()
+                    bar.close()
+                    raise EaglenestError(
+                        f"training interrupted ({self.interrupted}) at step {self.state['global_step']}; "
+                        f"checkpoint saved to {self.ckpt_path}: run again to resume"
+                    )
                 if stop_after_steps is not None and self.state["global_step"] >= stop_after_steps:
                     self.save_checkpoint()
                     bar.close()
