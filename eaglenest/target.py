@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglenest.errors import EaglenestError
-from eaglenest.hashing import sha256_file, sha256_text
+from eaglenest.hashing import DigestCache, sha256_file, sha256_text
 from eaglenest.wheels import package_file
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,21 @@ class Target:
     vocab_size: int
 
 
-def fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json, the tokenizer files and each weight file's own sha256."""
+def fingerprint(model_dir: Path, cache: DigestCache | None = None) -> str:
+    """sha256 over config.json, the tokenizer files and each weight file's own sha256 (taken from
+    `cache` when the file's stat is unchanged since it was hashed)."""
     model_dir = Path(model_dir)
+    digest = (cache or DigestCache(None)).sha256
     if not (model_dir / "config.json").is_file():
         raise EaglenestError(f"{model_dir}: not a HF model directory (no config.json)")
-    parts = [f"config.json={sha256_file(model_dir / 'config.json')}"]
+    parts = [f"config.json={digest(model_dir / 'config.json')}"]
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
-            parts.append(f"{name}={sha256_file(model_dir / name)}")
+            parts.append(f"{name}={digest(model_dir / name)}")
     weights = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES)
     if not weights:
         raise EaglenestError(f"{model_dir}: no weight files (*.safetensors / *.bin)")
-    parts += [f"{p.name}={sha256_file(p)}" for p in weights]
+    parts += [f"{p.name}={digest(p)}" for p in weights]
     return sha256_text(*parts)
 
 
@@ -153,10 +155,14 @@ def load_target(target_dir: Path) -> Target:
     )
 
 
-def check_fingerprint(target: Target) -> None:
-    """Recompute the fingerprint: a model changed in place after the target stage is an error."""
-    got = fingerprint(target.model_dir)
-    if got != target.fingerprint:
+def check_fingerprint(target: Target, cache_path: Path | None = None) -> None:
+    """Recompute the fingerprint: a model changed in place after the target stage is an error.
+    cache_path: a `DigestCache` file, so an unchanged file is not read again (stat-keyed)."""
+    cache = DigestCache(cache_path)
+    got = fingerprint(target.model_dir, cache)
+    if got == target.fingerprint:
+        cache.save()  # only digests that reproduced the recorded fingerprint are kept
+    else:
         raise EaglenestError(
             f"{target.model_dir}: fingerprint {got[:16]} != recorded {target.fingerprint[:16]}; "
             f"the model changed since the target stage ran (dvc repro -f -s target)"
@@ -199,6 +205,8 @@ def load_model(
         dtype=getattr(torch, dtype),
         attn_implementation=attn,
         trust_remote_code=trust_remote_code,
+        # on a GPU the safetensors go straight to it, not through a host copy of the whole model
+        **({"device_map": device} if device.startswith("cuda") else {}),
     )
     return model.to(device).eval()
 

@@ -285,6 +285,17 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(smollm2, tmp_path):
     clean_ws = _workspace(tmp_path / "b", smollm2, seqs)
     run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=clean_ws)
     clean = HiddenStore(clean_ws / "data" / "hidden" / "p")
+    # the part's wall clock, itemised: forward loop + fixed cost (imports, fingerprint, load, gate, ...)
+    report = json.loads((clean_ws / "reports" / "extract" / "p.json").read_text())
+    fc = report["fixed_cost"]
+    items = ("imports_s", "fingerprint_s", "prepare_s", "load_s", "gate_s", "publish_s")
+    assert all(fc[k] > 0 for k in items), fc
+    assert report["wall_s"] == pytest.approx(report["forward_s"] + fc["total_s"], abs=0.02)
+    assert sum(fc[k] for k in items) <= fc["total_s"] + 0.05
+    assert fc["gate_s"] == pytest.approx(report["validation"]["seconds"], abs=0.5)
+    assert 0 < report["forward_s"] < report["extract_seconds"]
+    digests = json.loads((clean_ws / ".eaglenest" / "digests.json").read_text())
+    assert any("model.safetensors|" in k for k in digests)  # the next part reads no weight to check them
     cols = ("id", "key", "start", "length", "digest")
     assert [tuple(r[c] for c in cols) for r in resumed.index] == [tuple(r[c] for c in cols) for r in clean.index]
     assert not list((ws / ".eaglenest" / "work").iterdir()), "work dir is cleaned after success"

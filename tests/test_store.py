@@ -1,5 +1,7 @@
 """Store format: bf16 bit-exactness, digests, corruption detection by verify and by readers."""
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from eaglenest.extraction.loop import extract_part
 from eaglenest.store.bf16 import from_bits, to_bits
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 from eaglenest.taps import resolve_taps
+from eaglenest.target import check_fingerprint, materialize
 
 from .conftest import REPO, gate, random_samples, run_py, write_tokenized
 
@@ -236,3 +239,31 @@ def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, codec, direct, sta
     assert not shard_files(ours, 2, layout)["aux"].exists()  # all-fill aux shard: no file, as zarr does
     if direct and shard_writer.direct_refused(ours):
         pytest.skip("this filesystem refuses O_DIRECT: only the buffered fallback was checked")
+
+
+def test_target_digest_cache_reuses_digests_but_catches_a_weight_edited_in_place(tiny_target, tmp_path):
+    """The extract stage's fingerprint check takes an unchanged file's sha256 from a stat-keyed cache;
+    a byte flipped in place, even with size and mtime put back, changes ctime and is hashed again."""
+    shutil.copytree(tiny_target.model_dir, tmp_path / "model")
+    target = materialize(str(tmp_path / "model"), tmp_path / "target")
+    cache = tmp_path / "digests.json"
+    check_fingerprint(target, cache)
+    entries = json.loads(cache.read_text())
+    weights = next(target.model_dir.glob("*.safetensors"))
+    assert any(k.startswith(f"{weights.resolve()}|") for k in entries)
+    poisoned = {k: "0" * 64 if k.startswith(f"{weights.resolve()}|") else v for k, v in entries.items()}
+    cache.write_text(json.dumps(poisoned))  # a stale entry IS used while the stat key matches:
+    with pytest.raises(EaglenestError, match="fingerprint"):
+        check_fingerprint(target, cache)
+    cache.write_text(json.dumps(entries))
+    check_fingerprint(target, cache)
+
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    with open(weights, "r+b") as f:  # in place: same inode and size
+        f.write(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == st.st_mtime_ns and weights.stat().st_ino == st.st_ino
+    with pytest.raises(EaglenestError, match="fingerprint .* != recorded"):
+        check_fingerprint(target, cache)

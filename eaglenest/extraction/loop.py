@@ -181,7 +181,9 @@ def _extract_part(
         write_index(work.store, rows)
         store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
+        t_gate = time.time()
         gate_metrics, passed = _gate(store, target, taps, validate_cfg, described.get("device", "cpu"))
+        gate_s = time.time() - t_gate
         stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
         raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
         metrics = {
@@ -202,11 +204,21 @@ def _extract_part(
             "devices": world,
             "host_path": host_path,
             "validation": gate_metrics,
+            # everything in this call that is not the forward loop; the stage adds imports and the
+            # fingerprint check (stages/extract.py)
+            "fixed_cost": {
+                "prepare_s": round(t_compute - t0, 2),  # read tokens, input digest, plan, sample keys
+                **getattr(backend, "timings", {}),  # load_s, warm_up_s: inside extract_seconds
+                "gate_s": round(gate_s, 2),
+            },
         }
         if not passed:
             metrics["committed"] = False
             raise GateFailed(metrics)
+        t_publish = time.time()
         _finalize(work, out_dir)
+        metrics["fixed_cost"]["publish_s"] = round(time.time() - t_publish, 2)
+        metrics["total_seconds"] = round(time.time() - t0, 2)
         metrics["committed"] = True
         return metrics
     finally:

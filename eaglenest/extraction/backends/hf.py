@@ -49,9 +49,11 @@ class HFBackend:
         self.copy_stream = None
         self.states = state_format.check(states)
         self.warm = not self.compile  # eager needs no warming
+        self.timings = {}  # load_s, warm_up_s: the fixed cost a part's metrics itemise
 
     def load(self) -> None:
         """Load the target (and compile its layers); `extract` does it on first use."""
+        t = time.perf_counter()
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
@@ -60,7 +62,15 @@ class HFBackend:
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
             log.info("hf backend: %d decoder layers compiled (the first batches compile them)", len(layers))
-        log.info("hf backend: %s on %s, taps %s, states stored as %s", self.dtype, self.device, self.taps, self.states)
+        self.timings["load_s"] = round(time.perf_counter() - t, 2)
+        log.info(
+            "hf backend: %s on %s, taps %s, states stored as %s; loaded in %.1f s",
+            self.dtype,
+            self.device,
+            self.taps,
+            self.states,
+            self.timings["load_s"],
+        )
 
     def describe(self) -> dict:
         import transformers
@@ -98,6 +108,7 @@ class HFBackend:
         other = ids[:1] if len(ids) > 1 else ids.repeat(2, 1)
         self.decoder(input_ids=other, output_hidden_states=True, use_cache=False)
         self.warm = True
+        self.timings["warm_up_s"] = round(time.perf_counter() - t, 2)
         log.info(
             "hf backend: warm-up forward at batch %d, length %d (compiles that batch family now, not mid-part): %.1f s",
             len(other),
