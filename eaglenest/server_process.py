@@ -106,7 +106,8 @@ class ServerProcess:
                 )
             try:
                 urllib.request.urlopen(f"{self.url}{self.ready_path}", timeout=5).close()
-                log.info("%s ready after %.0f s", self.name, time.time() - t0)
+                self.startup_s = time.time() - t0
+                log.info("%s ready after %.0f s", self.name, self.startup_s)
                 return self.url
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(1.0)

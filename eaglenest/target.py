@@ -7,6 +7,7 @@ once through transformers' GGUF loader. Any local HF causal-LM directory works a
 import json
 import logging
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,14 +192,22 @@ def pick_device(device: str) -> str:
     return device
 
 
+_LOADING = threading.Lock()  # transformers' loading patches global state: one load at a time per process
+
+
 def load_model(
     target: Target, dtype: str = "bfloat16", device: str = "cpu", attn: str = "sdpa", trust_remote_code: bool = False
 ):
+    quiet_transformers()
+    device = pick_device(device)
+    with _LOADING:
+        return _load(target, dtype, device, attn, trust_remote_code)
+
+
+def _load(target: Target, dtype: str, device: str, attn: str, trust_remote_code: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    quiet_transformers()
-    device = pick_device(device)
     model = AutoModelForCausalLM.from_pretrained(
         target.model_dir,
         local_files_only=True,

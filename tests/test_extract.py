@@ -1,5 +1,6 @@
 """Extraction: padding leaks, the validation gate against injected defects, crash + resume."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import torch
 
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends.hf import HFBackend
-from eaglenest.extraction.gate import Reference, token_stats
+from eaglenest.extraction.gate import Reference, ReferenceLoader, token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 from eaglenest.taps import resolve_taps
@@ -166,8 +167,19 @@ def test_reference_model_is_freed_after_the_gate(tiny_target):
             assert ref.states(np.arange(3, 12))["final"].shape == (9, tiny_target.hidden_size)
         del ref
         assert model() is None
+        # loaded in a thread beside the forward loop (extract_part): the same, and freed by close()
+        loader = ReferenceLoader(tiny_target, resolve_taps("auto", tiny_target.num_layers), "cpu")
+        model = weakref.ref(loader.get().model)
+        assert loader.load_s > 0 and model() is not None
+        loader.close()
+        assert model() is None
     finally:
         gc.enable()
+    broken = dataclasses.replace(tiny_target, model_dir=tiny_target.model_dir / "missing")
+    loader = ReferenceLoader(broken, [1, 2, 3], "cpu")
+    with pytest.raises(Exception, match="missing"):  # the load's error is raised where the gate needs it
+        loader.get()
+    loader.close()
 
 
 def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):

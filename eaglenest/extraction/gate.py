@@ -6,6 +6,8 @@ Beside each, the same figures against the ADJACENT reference tap (j+1; for `fina
 state) so a reader sees the margin between precision noise and an off-by-one defect."""
 
 import logging
+import threading
+import time
 
 import numpy as np
 import torch
@@ -60,6 +62,39 @@ class Reference:
         logits = self.model(input_ids=x, use_cache=False).logits[0].float().cpu()
         mine = self.model.get_output_embeddings()(final.to(self.device)).float().cpu()
         return torch.nn.functional.cosine_similarity(mine, logits, dim=-1)
+
+
+class ReferenceLoader:
+    """Builds the `Reference` in a thread, so its load (for an 8B target, 32 GB of float32 weights)
+    overlaps the forward loop instead of following it. `get()` waits for it; `close()` frees it.
+    The reference is the same independent model either way; only its load moves earlier."""
+
+    def __init__(self, target: Target, taps: list[int], device: str):
+        self.ref = self.error = None
+        self.load_s = 0.0
+        self.thread = threading.Thread(target=self._load, args=(target, taps, device), name="gate-reference")
+        self.thread.daemon = True  # a failed run never waits for it at exit
+        self.thread.start()
+
+    def _load(self, target, taps, device):
+        t = time.perf_counter()
+        try:
+            self.ref = Reference(target, taps, device=device)
+        except BaseException as e:  # raised where the gate needs it, by `get`
+            self.error = e
+        self.load_s = time.perf_counter() - t
+
+    def get(self) -> "Reference":
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.ref
+
+    def close(self) -> None:
+        self.thread.join()
+        if self.ref is not None:
+            self.ref.__exit__(None, None, None)
+            self.ref = None
 
 
 def token_stats(stored: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

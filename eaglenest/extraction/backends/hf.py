@@ -51,6 +51,10 @@ class HFBackend:
         self.warm = not self.compile  # eager needs no warming
         self.timings = {}  # load_s, warm_up_s: the fixed cost a part's metrics itemise
 
+    @property
+    def loaded(self) -> bool:
+        return self.decoder is not None
+
     def load(self) -> None:
         """Load the target (and compile its layers); `extract` does it on first use."""
         t = time.perf_counter()

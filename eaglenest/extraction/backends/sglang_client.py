@@ -101,6 +101,7 @@ class SGLangBackend:
         self.concurrency, self.retries, self.timeout = int(concurrency), int(retries), float(request_timeout_s)
         self.startup_timeout, self.log_dir = float(startup_timeout_s), Path(log_dir)
         self.server: LaunchedServer | None = None
+        self.timings = {}  # load_s: the server start (launch mode), itemised in the part's fixed cost
         self.own_capture_dir = capture_dir is None and not self.urls
         if capture_dir is None and self.urls:
             raise EaglenestError(
@@ -167,6 +168,7 @@ class SGLangBackend:
                 startup_timeout=self.startup_timeout,
             )
             self.urls = [self.server.start()]
+            self.timings["load_s"] = round(self.server.startup_s, 2)  # the server start: a fixed cost
         self.pool = ThreadPoolExecutor(self.concurrency * len(self.urls), thread_name_prefix="sglang-client")
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ class VLLMBackend:
         self.eps = float(cfg.get("text_config", cfg).get("rms_norm_eps", 1e-6))
         self.server: ServerProcess | None = None
         self.pool: ThreadPoolExecutor | None = None
+        self.timings = {}  # load_s: the server start, itemised in the part's fixed cost
         self.capture_dir: Path | None = None
         self._version: str | None = None
 
@@ -116,6 +117,7 @@ class VLLMBackend:
             startup_timeout=self.startup_timeout,
         )
         self.server.start()
+        self.timings["load_s"] = round(self.server.startup_s, 2)  # the server start: a fixed cost
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="vllm-client")
 
     def close(self) -> None:

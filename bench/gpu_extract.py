@@ -1,0 +1,203 @@
+"""The extract stage's own wall clock on a GPU, the way `dvc repro extract@<part>` runs it: a fresh
+`python -m stages.extract <part>` process per part, the product's defaults, a cold compile cache for
+the first part. Writes bench/results/gpu_extract.json (issue: GPU extraction as users run it).
+
+    python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
+                                [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
+
+Builds once, in --workdir: a Llama-3.1-8B-shaped target with random bf16 weights
+(`bench.gpu.llama8b`; --layers fewer for a quick run), fingerprinted as the `target` stage does;
+--parts random-token parts of --tokens tokens each (lengths 128..2048); a stage workspace with the
+repository's params.yaml (CUDA, max_seq_len 2048). Then per part: the stage in a fresh process,
+timed from outside, and its report's `fixed_cost` (imports, fingerprint, prepare, load, warm-up,
+gate, publish). Wall MFU = 2 x params x tokens / wall / peak, with the short bf16 matmul peak
+measured in the same run (`bench.gpu.matmul_peak`); steady MFU the same over the forward loop alone.
+Last, the gate's cost against validate.samples, on the first part's store. Runs on the CPU too
+(--device cpu --layers 2 --tokens 20000) to check the harness, not for figures."""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_target(model_dir: Path, layers: int, small: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.gpu import llama8b
+
+    if (model_dir / "config.json").exists():
+        return
+    cfg = llama8b(layers)
+    if small:  # the harness check on a CPU
+        cfg = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 256, "intermediate_size": 512, "vocab_size": 32000})
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    del model
+
+
+def write_parts(ws: Path, parts: list[str], tokens: int, vocab: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglenest.data.chat import SCHEMA
+
+    for k, part in enumerate(parts):
+        path = ws / "data" / "tokenized" / f"{part}.parquet"
+        if path.exists():
+            continue
+        rng, seqs, n = np.random.default_rng(k), [], 0
+        while n < tokens:
+            seqs.append(rng.integers(0, vocab, int(rng.integers(128, 2049))))
+            n += len(seqs[-1])
+        table = pa.table(
+            {
+                "id": [f"{part}-{i}" for i in range(len(seqs))],
+                "input_ids": [s.tolist() for s in seqs],
+                "loss_mask": [[1] * len(s) for s in seqs],
+                "n_tokens": [len(s) for s in seqs],
+            },
+            schema=SCHEMA,
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path)
+
+
+def workspace(root: Path, args) -> tuple[Path, dict]:
+    from eaglenest.target import materialize
+
+    model_dir = root / "model"
+    build_target(model_dir, args.layers, small=args.device == "cpu")
+    ws = root / "ws"
+    if not (ws / "data" / "target" / "target.json").exists():
+        materialize(str(model_dir), ws / "data" / "target")  # the `target` stage: fingerprint once
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["tokenize"]["max_seq_len"] = 2048
+    params["extract"]["device"] = args.device
+    (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return ws, cfg
+
+
+def n_params(cfg: dict) -> float:
+    """Matmul parameters a token meets in the decoder stack (no lm_head: extraction never runs it)."""
+    H, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = H * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    return L * (2 * H * H + 2 * H * kv + 3 * H * inter)
+
+
+def run_part(ws: Path, part: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "stages.extract", part, "--no-progress"], cwd=ws, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    outside_s = time.time() - t
+    if p.returncode != 0:
+        sys.exit(f"extract {part} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    rep = json.loads((ws / "reports" / "extract" / f"{part}.json").read_text())
+    rep["outside_wall_s"] = round(outside_s, 2)
+    return rep
+
+
+def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
+    """The gate alone on the part's store: seconds against validate.samples (reference load included)."""
+    from eaglenest.extraction.gate import ReferenceLoader
+    from eaglenest.extraction.loop import _gate
+    from eaglenest.store.hidden_store import HiddenStore
+    from eaglenest.taps import resolve_taps
+    from eaglenest.target import load_target
+
+    target = load_target(ws / "data" / "target")
+    taps = resolve_taps("auto", target.num_layers)
+    store = HiddenStore(ws / "data" / "hidden" / part)
+    validate = yaml.safe_load((ws / "params.yaml").read_text())["validate"]
+    out = {}
+    for n in samples:
+        t = time.time()
+        loader = ReferenceLoader(target, taps, device)
+        try:
+            loader.get()
+            load_s = time.time() - t
+            m, _ = _gate(store, loader, taps, {**validate, "samples": n})
+        finally:
+            loader.close()
+        out[str(n)] = {"seconds": round(time.time() - t, 2), "reference_load_s": round(load_s, 2),
+                       "compare_s": m["seconds"], "tokens": m["tokens"]}  # fmt: skip
+        print(f"gate, {n} samples: {out[str(n)]}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2_600_000, help="tokens per part (the seed's 21M over 8 GPUs)")
+    ap.add_argument("--parts", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--gate-samples", default="1,8,32")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workdir", type=Path, default=Path.home() / "gpu_extract")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_extract.json")
+    a = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    ws, cfg = workspace(a.workdir, a)
+    parts = [f"p{k}" for k in range(a.parts)]
+    write_parts(ws, parts, a.tokens, cfg["vocab_size"])
+    peak = None
+    if a.device.startswith("cuda"):
+        from bench.gpu import matmul_peak
+
+        peak = matmul_peak()
+    flops_per_token = 2 * n_params(cfg)
+    cache = a.workdir / "inductor-cache"
+    shutil.rmtree(cache, ignore_errors=True)  # the first part compiles from nothing, as on a fresh machine
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    res = {"target": f"Llama-3.1-8B shape, {cfg['num_hidden_layers']} layers, random bf16 weights",
+           "device": a.device, "peak_tflops": round(peak / 1e12, 1) if peak else None, "parts": {}}  # fmt: skip
+    for part in parts:
+        shutil.rmtree(ws / "data" / "hidden" / part, ignore_errors=True)
+        rep = run_part(ws, part)
+        fc = rep["fixed_cost"]
+        row = {
+            "tokens": rep["tokens"],
+            "wall_s": rep["wall_s"],
+            "outside_wall_s": rep["outside_wall_s"],
+            "forward_s": rep["forward_s"],
+            "fixed_s": fc["total_s"],
+            "fixed_cost": fc,
+            "tokens_per_s_wall": round(rep["tokens"] / rep["wall_s"], 1),
+            "host_path": rep.get("host_path"),
+            "gate_passed": rep["validation"]["passed"],
+        }
+        if peak:
+            row["wall_mfu"] = round(flops_per_token * rep["tokens"] / rep["wall_s"] / peak, 3)
+            row["steady_mfu"] = round(flops_per_token * rep["tokens"] / rep["forward_s"] / peak, 3)
+        res["parts"][part] = row
+        print(part, json.dumps({k: v for k, v in row.items() if k != "host_path"}), flush=True)
+    first = res["parts"][parts[0]]
+    res.update(
+        part_tokens=first["tokens"],
+        wall_mfu=first.get("wall_mfu"),  # cold compile cache, as a fresh machine runs it
+        fixed_s=first["fixed_s"],
+        steady_mfu_defaults=max((r.get("steady_mfu") or 0) for r in res["parts"].values()) or None,
+        # the parts back to back, each a fresh stage process as `dvc repro` starts them
+        parts_wall_s=round(sum(r["outside_wall_s"] for r in res["parts"].values()), 1),
+    )
+    res["gate_by_samples"] = gate_costs(ws, parts[0], [int(x) for x in a.gate_samples.split(",")], a.device)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k != "parts"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
