@@ -11,7 +11,13 @@ def default_taps(num_layers: int) -> list[int]:
 def resolve_taps(taps, num_layers: int) -> list[int]:
     """`auto` -> [2, L//2, L-3]; else three HF hidden_states indices in [0, L-1], ascending."""
     if taps in (None, "auto"):
-        return default_taps(num_layers)
+        auto = default_taps(num_layers)
+        if not (0 <= auto[0] < auto[1] < auto[2] <= num_layers - 1):  # fewer than 7 layers
+            raise EaglenestError(
+                f"extract.taps auto gives {auto} for this {num_layers}-layer target: not three distinct "
+                f"layers; set extract.taps to three ascending ids in [0, {num_layers - 1}]"
+            )
+        return auto
     if not isinstance(taps, (list, tuple)) or len(taps) != 3 or not all(isinstance(t, int) for t in taps):
         raise EaglenestError(f"extract.taps must be `auto` or three integers (low, mid, high), got {taps!r}")
     bad = [t for t in taps if not 0 <= t <= num_layers - 1]

@@ -83,6 +83,10 @@ def test_tap_ids_out_of_range():
     with pytest.raises(EaglenestError, match="three integers"):
         resolve_taps([2, 15], 30)
     assert resolve_taps("auto", 30) == [2, 15, 27]
+    assert resolve_taps("auto", 7) == [2, 3, 4]
+    for layers in (2, 4, 6):  # auto's [2, L//2, L-3] collapses: a clear error, not a gate IndexError
+        with pytest.raises(EaglenestError, match=rf"auto gives .* {layers}-layer target.*\[0, {layers - 1}\]"):
+            resolve_taps("auto", layers)
 
 
 # --- injected defects: each must fail the gate and commit nothing -------------------------------
