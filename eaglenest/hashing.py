@@ -30,7 +30,6 @@ class DigestCache:
                 self.entries = json.loads(self.path.read_text())
             except (ValueError, OSError):
                 self.entries = {}
-        self.hits = 0
 
     @staticmethod
     def key(path: Path) -> str:
@@ -42,7 +41,6 @@ class DigestCache:
             return sha256_file(path)
         k = self.key(path)
         if k in self.entries:
-            self.hits += 1
             return self.entries[k]
         self.entries[k] = digest = sha256_file(path)
         return digest
