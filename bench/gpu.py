@@ -137,11 +137,9 @@ def backend_only(be, seqs, batch: int, n_batches: int) -> float:
 
 def bench_extraction(res, args, peak, clocks):
     import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from transformers import LlamaForCausalLM
 
-    from eaglenest.data.chat import SCHEMA
+    from eaglenest.data.chat import token_table, write_tokenized
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
     from eaglenest.target import materialize
@@ -161,18 +159,7 @@ def bench_extraction(res, args, peak, clocks):
     taps = [2, args.layers // 2, args.layers - 3]
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 128000, size=T).tolist() for _ in range(args.samples)]
-    pq.write_table(
-        pa.table(
-            {
-                "id": [f"s{i}" for i in range(len(seqs))],
-                "input_ids": seqs,
-                "loss_mask": [[1] * T] * len(seqs),
-                "n_tokens": [T] * len(seqs),
-            },
-            schema=SCHEMA,
-        ),
-        OUT / "tok.parquet",
-    )
+    write_tokenized(token_table(seqs), OUT / "tok.parquet")
     ids = torch.randint(3, 128000, (args.batch_tokens // T, T), device="cuda")  # no mask, as extract runs it
     for compiled in (False, True) if args.compile else (False,):
         be = HFBackend(target, taps, device="cuda", compile=compiled)

@@ -4,6 +4,7 @@ the first part. Writes bench/results/gpu_extract.json (issue: GPU extraction as 
 
     python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
                                 [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
+                                [--budget SECONDS]
 
 Builds once, in --workdir: a Llama-3.1-8B-shaped target with random bf16 weights
 (`bench.gpu.llama8b`; --layers fewer for a quick run), fingerprinted as the `target` stage does;
@@ -12,8 +13,14 @@ repository's params.yaml (CUDA, max_seq_len 2048). Then per part: the stage in a
 timed from outside, and its report's `fixed_cost` (imports, fingerprint, prepare, load, warm-up,
 gate, publish). Wall MFU = 2 x params x tokens / wall / peak, with the short bf16 matmul peak
 measured in the same run (`bench.gpu.matmul_peak`); steady MFU the same over the forward loop alone.
-Last, the gate's cost against validate.samples, on the first part's store. Runs on the CPU too
-(--device cpu --layers 2 --tokens 20000) to check the harness, not for figures."""
+Last, the gate's cost against validate.samples, on the last part's store.
+
+Disk: a part's store takes ~4 states x hidden x 2 bytes per token (32 KiB for the 8B shape: 85 GB for
+2.6M tokens, before zstd), so each part's store is deleted once measured (the last one kept for the
+gate), and the run refuses to start a part that cannot fit on the disk. Resumable: finished parts
+are kept in --workdir (partial.json); with --budget, no part starts that the budget cannot finish, and
+the same command continues it. Runs on the CPU too (--device cpu --layers 2 --tokens 20000) to check
+the harness, not for figures."""
 
 import argparse
 import json
@@ -49,10 +56,7 @@ def build_target(model_dir: Path, layers: int, small: bool) -> None:
 
 
 def write_parts(ws: Path, parts: list[str], tokens: int, vocab: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eaglenest.data.chat import SCHEMA
+    from eaglenest.data.chat import token_table, write_tokenized
 
     for k, part in enumerate(parts):
         path = ws / "data" / "tokenized" / f"{part}.parquet"
@@ -62,17 +66,7 @@ def write_parts(ws: Path, parts: list[str], tokens: int, vocab: int) -> None:
         while n < tokens:
             seqs.append(rng.integers(0, vocab, int(rng.integers(128, 2049))))
             n += len(seqs[-1])
-        table = pa.table(
-            {
-                "id": [f"{part}-{i}" for i in range(len(seqs))],
-                "input_ids": [s.tolist() for s in seqs],
-                "loss_mask": [[1] * len(s) for s in seqs],
-                "n_tokens": [len(s) for s in seqs],
-            },
-            schema=SCHEMA,
-        )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, path)
+        write_tokenized(token_table(seqs, [f"{part}-{i}" for i in range(len(seqs))]), path)
 
 
 def workspace(root: Path, args) -> tuple[Path, dict]:
@@ -109,6 +103,21 @@ def run_part(ws: Path, part: str) -> dict:
     rep = json.loads((ws / "reports" / "extract" / f"{part}.json").read_text())
     rep["outside_wall_s"] = round(outside_s, 2)
     return rep
+
+
+def state_bytes_per_token(cfg: dict) -> int:
+    """bf16 bytes a token takes in the store before compression: three taps and the final state."""
+    return 4 * cfg["hidden_size"] * 2
+
+
+def check_disk(ws: Path, tokens: int, cfg: dict) -> None:
+    need = tokens * state_bytes_per_token(cfg)
+    free = shutil.disk_usage(ws).free
+    if need > free:
+        sys.exit(
+            f"a part of {tokens:,} tokens needs up to {need / 1e9:.0f} GB of store (bf16, before zstd) and "
+            f"{ws} has {free / 1e9:.0f} GB free: pass a smaller --tokens"
+        )
 
 
 def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
@@ -148,24 +157,41 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workdir", type=Path, default=Path.home() / "gpu_extract")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_extract.json")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: start no part the budget cannot finish")
     a = ap.parse_args()
+    t0 = time.time()
     sys.path.insert(0, str(REPO))
     ws, cfg = workspace(a.workdir, a)
     parts = [f"p{k}" for k in range(a.parts)]
     write_parts(ws, parts, a.tokens, cfg["vocab_size"])
-    peak = None
-    if a.device.startswith("cuda"):
-        from bench.gpu import matmul_peak
+    partial = a.workdir / "partial.json"
+    res = json.loads(partial.read_text()) if partial.exists() else None
+    if res is None:
+        peak = None
+        if a.device.startswith("cuda"):
+            from bench.gpu import matmul_peak
 
-        peak = matmul_peak()
+            peak = matmul_peak() / 1e12
+        res = {"target": f"Llama-3.1-8B shape, {cfg['num_hidden_layers']} layers, random bf16 weights",
+               "device": a.device, "peak_tflops": round(peak, 1) if peak else None, "parts": {}}  # fmt: skip
+    peak = res["peak_tflops"] * 1e12 if res["peak_tflops"] else None
     flops_per_token = 2 * n_params(cfg)
     cache = a.workdir / "inductor-cache"
-    shutil.rmtree(cache, ignore_errors=True)  # the first part compiles from nothing, as on a fresh machine
+    if not res["parts"]:
+        shutil.rmtree(cache, ignore_errors=True)  # the first part compiles from nothing, as on a fresh machine
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    res = {"target": f"Llama-3.1-8B shape, {cfg['num_hidden_layers']} layers, random bf16 weights",
-           "device": a.device, "peak_tflops": round(peak / 1e12, 1) if peak else None, "parts": {}}  # fmt: skip
-    for part in parts:
+    for i, part in enumerate(parts):
+        if part in res["parts"]:
+            continue
+        longest = max((r["outside_wall_s"] for r in res["parts"].values()), default=0)
+        if a.budget and time.time() - t0 + longest > a.budget:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res, indent=1) + "\n")
+            sys.exit(f"budget: {part} would not finish in {a.budget:.0f} s; run the same command again to go on")
+        for other in parts[:i]:  # measured: only the last part's store stays, for the gate
+            shutil.rmtree(ws / "data" / "hidden" / other, ignore_errors=True)
         shutil.rmtree(ws / "data" / "hidden" / part, ignore_errors=True)
+        check_disk(ws, a.tokens, cfg)
         rep = run_part(ws, part)
         fc = rep["fixed_cost"]
         row = {
@@ -178,11 +204,13 @@ def main() -> None:
             "tokens_per_s_wall": round(rep["tokens"] / rep["wall_s"], 1),
             "host_path": rep.get("host_path"),
             "gate_passed": rep["validation"]["passed"],
+            "store_bytes": sum(f.stat().st_size for f in (ws / "data" / "hidden" / part).rglob("*") if f.is_file()),
         }
         if peak:
             row["wall_mfu"] = round(flops_per_token * rep["tokens"] / rep["wall_s"] / peak, 3)
             row["steady_mfu"] = round(flops_per_token * rep["tokens"] / rep["forward_s"] / peak, 3)
         res["parts"][part] = row
+        partial.write_text(json.dumps(res, indent=1))
         print(part, json.dumps({k: v for k, v in row.items() if k != "host_path"}), flush=True)
     first = res["parts"][parts[0]]
     res.update(
@@ -193,7 +221,9 @@ def main() -> None:
         # the parts back to back, each a fresh stage process as `dvc repro` starts them
         parts_wall_s=round(sum(r["outside_wall_s"] for r in res["parts"].values()), 1),
     )
-    res["gate_by_samples"] = gate_costs(ws, parts[0], [int(x) for x in a.gate_samples.split(",")], a.device)
+    if "gate_by_samples" not in res:
+        res["gate_by_samples"] = gate_costs(ws, parts[-1], [int(x) for x in a.gate_samples.split(",")], a.device)
+        partial.write_text(json.dumps(res, indent=1))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "parts"}, indent=1))

@@ -23,12 +23,10 @@ OUT = Path(os.environ.get("BENCH_OUT", "bench/out/multi_gpu"))
 
 
 def build(args):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.data.chat import SCHEMA
+    from eaglenest.data.chat import token_table, write_tokenized
     from eaglenest.target import materialize
 
     torch.manual_seed(0)
@@ -51,19 +49,8 @@ def build(args):
             rng.integers(3, 32000, size=int(rng.integers(args.seq // 2, args.seq + 1))) for _ in range(args.samples)
         ]
         masks = [(rng.random(len(s)) < 0.8).astype(np.uint8).tolist() for s in seqs]
-        (OUT / "tokenized").mkdir(parents=True, exist_ok=True)
-        pq.write_table(
-            pa.table(
-                {
-                    "id": [f"{part}-{i}" for i in range(len(seqs))],
-                    "input_ids": [s.tolist() for s in seqs],
-                    "loss_mask": masks,
-                    "n_tokens": [len(s) for s in seqs],
-                },
-                schema=SCHEMA,
-            ),
-            OUT / "tokenized" / f"{part}.parquet",
-        )
+        ids = [f"{part}-{i}" for i in range(len(seqs))]
+        write_tokenized(token_table(seqs, ids, masks), OUT / "tokenized" / f"{part}.parquet")
 
 
 def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:

@@ -23,6 +23,7 @@ from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.extraction.backends import make_backend
 from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.extraction.wall_clock import add_fixed_cost
 from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target
 
@@ -86,24 +87,6 @@ def main(argv=None) -> None:
 
 
 DIGEST_CACHE = Path(".eaglenest/digests.json")  # target files' sha256 by stat: not re-read on every part
-
-
-def add_fixed_cost(m: dict, t_main: float, fingerprint_s: float) -> None:
-    """The part's wall clock split into the forward loop and everything else (docs/design.md:
-    Extraction, "Fixed cost"): imports = process start to main()."""
-    fc = m.setdefault("fixed_cost", {})
-    try:
-        import psutil
-
-        fc["imports_s"] = round(t_main - psutil.Process().create_time(), 2)
-    except Exception:  # no process start time on this platform: the rest is still itemised
-        fc["imports_s"] = None
-    fc["fingerprint_s"] = round(fingerprint_s, 2)
-    forward_s = m["extract_seconds"] - fc.get("load_s", 0) - fc.get("warm_up_s", 0)
-    wall_s = time.time() - t_main + (fc["imports_s"] or 0)
-    m["forward_s"] = round(forward_s, 2)
-    m["wall_s"] = round(wall_s, 2)
-    fc["total_s"] = round(wall_s - forward_s, 2)
 
 
 HEADLINE = (

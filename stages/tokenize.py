@@ -8,10 +8,8 @@ import argparse
 import logging
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from eaglenest.atomic import write_json
-from eaglenest.data.chat import require_template, tokenize_part
+from eaglenest.data.chat import require_template, tokenize_part, write_tokenized
 from eaglenest.data.conversations import read_jsonl
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.target import load_target, load_tokenizer
@@ -40,11 +38,7 @@ def main(argv=None) -> None:
     table, stats = tokenize_part(tok, convs, int(p["max_seq_len"]), str(src), on_error=on_error)
     if stats["samples"] == 0:
         raise EaglenestError(f"{src}: no usable samples after tokenization")
-    out = paths.tokenized(args.part)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(out)
+    write_tokenized(table, paths.tokenized(args.part))
     stats.update(
         lines=report.lines,
         malformed_lines=sum(report.skipped.values()),

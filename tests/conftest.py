@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
-from eaglenest.data.chat import SCHEMA
+from eaglenest.data import chat
 from eaglenest.target import fingerprint, load_target, materialize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,21 +71,7 @@ def random_samples(n, vocab, lo, hi, seed=0):
 
 
 def write_tokenized(path: Path, seqs, names=None) -> Path:
-    import pyarrow as pa
-
-    names = names or [f"s{i}" for i in range(len(seqs))]
-    table = pa.table(
-        {
-            "id": names,
-            "input_ids": [s.tolist() for s in seqs],
-            "loss_mask": [[1] * len(s) for s in seqs],
-            "n_tokens": [len(s) for s in seqs],
-        },
-        schema=SCHEMA,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-    return path
+    return chat.write_tokenized(chat.token_table(seqs, names), path)
 
 
 def run_py(args, cwd, check=True, timeout=600, env_extra=None, **kw):
@@ -148,7 +133,6 @@ def base_params(**over) -> dict:
 def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
     """Two parts of random token sequences extracted from the tiny target (states in `states`)
     and packed; returns a stage workspace holding data/target and data/packed."""
-    import pyarrow as pa
 
     from eaglenest.data.pack import pack
     from eaglenest.extraction.backends.hf import HFBackend
@@ -163,20 +147,7 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
         seqs = random_samples(24, 64, 20, 60, seed=seed)  # a small alphabet: learnable statistics
         masks = [(rng.random(len(s)) < 0.7).astype(np.uint8) for s in seqs]
         names = [f"{part}{i}" for i in range(len(seqs))]
-        tok = ws / "data" / "tokenized" / f"{part}.parquet"
-        tok.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(
-            pa.table(
-                {
-                    "id": names,
-                    "input_ids": [s.tolist() for s in seqs],
-                    "loss_mask": [m.tolist() for m in masks],
-                    "n_tokens": [len(s) for s in seqs],
-                },
-                schema=SCHEMA,
-            ),
-            tok,
-        )
+        tok = chat.write_tokenized(chat.token_table(seqs, names, masks), ws / "data" / "tokenized" / f"{part}.parquet")
         extract_part(
             part=part,
             tokenized=tok,

@@ -3,9 +3,11 @@ rendering itself: an assistant turn's span is what rendering the conversation up
 that turn adds to the rendering up to its generation prompt. No model-specific regex."""
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from eaglenest.errors import EaglenestError
 
@@ -19,6 +21,31 @@ SCHEMA = pa.schema(
         ("n_tokens", pa.int32()),
     ]
 )
+
+
+def token_table(seqs, ids=None, loss_masks=None) -> pa.Table:
+    """Token sequences as a tokenized part (SCHEMA); the loss over every token unless masks are given.
+    For tests and benches that make parts without a chat template."""
+    seqs = [np.asarray(s).tolist() for s in seqs]
+    return pa.table(
+        {
+            "id": ids or [f"s{i}" for i in range(len(seqs))],
+            "input_ids": seqs,
+            "loss_mask": [np.asarray(m).tolist() for m in loss_masks] if loss_masks else [[1] * len(s) for s in seqs],
+            "n_tokens": [len(s) for s in seqs],
+        },
+        schema=SCHEMA,
+    )
+
+
+def write_tokenized(table: pa.Table, path: Path) -> Path:
+    """Write a tokenized part all or nothing (temp file, rename): a half-written Parquet is never read."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+    return path
 
 
 def require_template(tokenizer, name: str) -> None:
