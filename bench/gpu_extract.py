@@ -93,7 +93,7 @@ def n_params(cfg: dict) -> float:
 
 
 def run_part(ws: Path, part: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t = time.time()
     p = subprocess.run([sys.executable, "-m", "stages.extract", part, "--no-progress"], cwd=ws, env=env,
                        capture_output=True, text=True)  # fmt: skip

@@ -101,8 +101,10 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     tmp.rename(out_dir)
 
 
-def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16") -> Target:
-    """Make `out_dir/target.json` (and, for a builtin, the model under `out_dir/model`)."""
+def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16", digests: Path | None = None) -> Target:
+    """Make `out_dir/target.json` (and, for a builtin, the model under `out_dir/model`). digests: a
+    `DigestCache` file the weights' digests are recorded in, so the extract stage's fingerprint check
+    does not read them again while their stat is unchanged (a local model directory's is)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if spec.startswith("builtin:"):
@@ -116,15 +118,17 @@ def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16") -> Target:
         stored_path = str(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
+    cache = DigestCache(digests)
     info = {
         "spec": spec,
         "model_dir": stored_path,
-        "fingerprint": fingerprint(model_dir),
+        "fingerprint": fingerprint(model_dir, cache),
         "num_layers": cfg["num_hidden_layers"],
         "hidden_size": cfg["hidden_size"],
         "vocab_size": cfg["vocab_size"],
     }
     (out_dir / POINTER).write_text(json.dumps(info, indent=2) + "\n")
+    cache.save()
     log.info(
         "target %s: %d layers, hidden %d, vocab %d, fingerprint %s",
         spec,

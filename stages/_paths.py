@@ -8,6 +8,7 @@ PACKED = Path("data/packed")
 DRAFTER = Path("data/drafter")
 HIDDEN = Path("data/hidden")
 TOKENIZED = Path("data/tokenized")
+DIGESTS = Path(".eaglenest/digests.json")  # the target's file digests by stat (not a DVC output: a cache)
 
 
 def part(name: str) -> Path:

@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     params = _params.load()
     ex, st, va = params["extract"], params["store"], params["validate"]
     target = load_target(paths.TARGET)
-    check_fingerprint(target, DIGEST_CACHE)
+    check_fingerprint(target, paths.DIGESTS)  # digests by stat: the weights are not re-read per part
     fingerprint_s = time.time() - t_main
     taps = resolve_taps(ex["taps"], target.num_layers)
     name = ex["backend"]
@@ -84,9 +84,6 @@ def main(argv=None) -> None:
     add_fixed_cost(metrics, t_main, fingerprint_s)
     write_json(report_path, metrics)
     write_json(metrics_path, headline(metrics))
-
-
-DIGEST_CACHE = Path(".eaglenest/digests.json")  # target files' sha256 by stat: not re-read on every part
 
 
 HEADLINE = (

@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics", default=str(paths.metrics("target")))
     args = ap.parse_args(argv)
     p = _params.load("target")
-    t = materialize(p["path"], Path(args.out), dtype=p["dtype"])
+    t = materialize(p["path"], Path(args.out), dtype=p["dtype"], digests=paths.DIGESTS)
     write_json(
         Path(args.metrics),
         {

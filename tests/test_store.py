@@ -267,3 +267,21 @@ def test_target_digest_cache_reuses_digests_but_catches_a_weight_edited_in_place
     assert weights.stat().st_mtime_ns == st.st_mtime_ns and weights.stat().st_ino == st.st_ino
     with pytest.raises(EaglenestError, match="fingerprint .* != recorded"):
         check_fingerprint(target, cache)
+
+
+def test_target_stage_records_digests_so_the_first_part_reads_no_weight(tiny_target, tmp_path, monkeypatch):
+    """materialize with a digest cache records what it hashed: the first extract part's fingerprint
+    check then takes every digest from the cache (here: hashing is made to fail)."""
+    from eaglenest import hashing
+
+    shutil.copytree(tiny_target.model_dir, tmp_path / "model")
+    cache = tmp_path / "digests.json"
+    target = materialize(str(tmp_path / "model"), tmp_path / "target", digests=cache)
+    weights = next(target.model_dir.glob("*.safetensors"))
+    assert any(k.startswith(f"{weights.resolve()}|") for k in json.loads(cache.read_text()))
+
+    def no_read(path):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(hashing, "sha256_file", no_read)
+    check_fingerprint(target, cache)

@@ -56,12 +56,13 @@ class Reference:
         return ref
 
     @torch.inference_mode()
-    def lm_head_cosine(self, final: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
-        """Per-token cosine between lm_head(stored final) and the model's own logits."""
-        x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(self.device)
-        logits = self.model(input_ids=x, use_cache=False).logits[0].float().cpu()
-        mine = self.model.get_output_embeddings()(final.to(self.device)).float().cpu()
-        return torch.nn.functional.cosine_similarity(mine, logits, dim=-1)
+    def lm_head_cosine(self, final: torch.Tensor, ref_final: torch.Tensor) -> torch.Tensor:
+        """Per-token cosine between lm_head(stored final) and lm_head(reference final): the logits the
+        model computes from its last hidden state, without a second forward (informational)."""
+        head = self.model.get_output_embeddings()
+        mine = head(final.to(self.device)).float()
+        theirs = head(ref_final.to(self.device)).float()
+        return torch.nn.functional.cosine_similarity(mine, theirs, dim=-1).cpu()
 
 
 class ReferenceLoader:
@@ -138,7 +139,7 @@ def run_gate(read_sample, sample_ids: list, ref: Reference, thresholds: dict) ->
         add("final", *token_stats(final, r["final"]))
         if "final_adjacent" in r:
             add("final_vs_prenorm", *token_stats(final, r["final_adjacent"]))
-        acc.setdefault("lm_head_logits", [[], []])[0].append(ref.lm_head_cosine(final, ids))
+        acc.setdefault("lm_head_logits", [[], []])[0].append(ref.lm_head_cosine(final, r["final"]))
 
     metrics = {"samples": len(sample_ids), "tokens": tokens, "thresholds": th, "taps": {}, "margin": {}}
     failures = []
