@@ -4,7 +4,7 @@ the first part. Writes bench/results/gpu_extract.json (issue: GPU extraction as 
 
     python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
                                 [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
-                                [--budget SECONDS]
+                                [--budget SECONDS] [-S section.key=value ...]
 
 Builds once, in --workdir: a Llama-3.1-8B-shaped target with random bf16 weights
 (`bench.gpu.llama8b`; --layers fewer for a quick run), fingerprinted as the `target` stage does;
@@ -69,17 +69,29 @@ def write_parts(ws: Path, parts: list[str], tokens: int, vocab: int) -> None:
         write_tokenized(token_table(seqs, [f"{part}-{i}" for i in range(len(seqs))]), path)
 
 
+def tag(sets: list[str]) -> str:
+    """A file-name-safe name for a set of overrides (letters, digits, '.', '_', '-')."""
+    return "__".join("".join(c if c.isalnum() or c in "._" else "-" for c in x) for x in sets)
+
+
 def workspace(root: Path, args) -> tuple[Path, dict]:
     from eaglenest.target import materialize
 
     model_dir = root / "model"
     build_target(model_dir, args.layers, small=args.device == "cpu")
-    ws = root / "ws"
+    ws = root / ("ws-" + tag(args.sets) if args.sets else "ws")  # the target is built once per workdir
     if not (ws / "data" / "target" / "target.json").exists():
-        materialize(str(model_dir), ws / "data" / "target")  # the `target` stage: fingerprint once
+        # the `target` stage: fingerprint once, recording the digests for the extract stage's check
+        materialize(str(model_dir), ws / "data" / "target", digests=ws / ".eaglenest" / "digests.json")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["tokenize"]["max_seq_len"] = 2048
     params["extract"]["device"] = args.device
+    for item in args.sets:  # -S section.key=yaml value, e.g. extract.batch_tokens=65536
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        if name not in params.get(section, {}):
+            sys.exit(f"-S {item}: params.yaml has no {key}")
+        params[section][name] = yaml.safe_load(value)
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
     cfg = json.loads((model_dir / "config.json").read_text())
     return ws, cfg
@@ -158,13 +170,16 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path.home() / "gpu_extract")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_extract.json")
     ap.add_argument("--budget", type=float, default=None, help="seconds: start no part the budget cannot finish")
+    ap.add_argument("-S", dest="sets", action="append", default=[],
+                    help="section.key=value over the repository's params.yaml (e.g. extract.batch_tokens=65536); "
+                         "each setting has its own workspace and results; the target is shared")  # fmt: skip
     a = ap.parse_args()
     t0 = time.time()
     sys.path.insert(0, str(REPO))
     ws, cfg = workspace(a.workdir, a)
     parts = [f"p{k}" for k in range(a.parts)]
     write_parts(ws, parts, a.tokens, cfg["vocab_size"])
-    partial = a.workdir / "partial.json"
+    partial = a.workdir / (f"partial-{tag(a.sets)}.json" if a.sets else "partial.json")
     res = json.loads(partial.read_text()) if partial.exists() else None
     if res is None:
         peak = None
@@ -173,7 +188,8 @@ def main() -> None:
 
             peak = matmul_peak() / 1e12
         res = {"target": f"Llama-3.1-8B shape, {cfg['num_hidden_layers']} layers, random bf16 weights",
-               "device": a.device, "peak_tflops": round(peak, 1) if peak else None, "parts": {}}  # fmt: skip
+               "device": a.device, "params_set": a.sets, "peak_tflops": round(peak, 1) if peak else None,
+               "parts": {}}  # fmt: skip
     peak = res["peak_tflops"] * 1e12 if res["peak_tflops"] else None
     flops_per_token = 2 * n_params(cfg)
     cache = a.workdir / "inductor-cache"
