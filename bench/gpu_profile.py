@@ -169,6 +169,19 @@ def add_time(work: Path, key: str, seconds: float) -> dict:
     return times
 
 
+DISK = "bench/out/gpu_profile_disk.json"
+
+
+def record_disk(work: Path, stage: str) -> dict:
+    """The disk after each stage: how much more data (`turns`, parts) the machine's disk can take."""
+    u = shutil.disk_usage(work)
+    path = work / DISK
+    rows = json.loads(path.read_text()) if path.exists() else {}
+    rows[stage] = {"used_gb": round(u.used / 1e9, 1), "free_gb": round(u.free / 1e9, 1)}
+    path.write_text(json.dumps(rows, indent=1))
+    return rows[stage]
+
+
 def run(work: Path, budget: float, min_left: float) -> None:
     t0 = time.time()
     for stage in stages(work):
@@ -189,7 +202,10 @@ def run(work: Path, budget: float, min_left: float) -> None:
         keep_lock(work)
         if any("Running stage" in ln for ln in lines):
             times = add_time(work, stage, time.time() - t)
-            print(f"== {stage}: {times[stage]:.1f} s", flush=True)
+            disk = record_disk(work, stage)
+            print(
+                f"== {stage}: {times[stage]:.1f} s; disk {disk['used_gb']} GB used, {disk['free_gb']} free", flush=True
+            )
     # committed: experiments (`exp`) start from it, and `restore` returns to it
     sh(["git", "add", "dvc.lock"], work)
     commit(work, "gpu profile: dvc.lock")
@@ -272,6 +288,7 @@ def report(work: Path, out: Path) -> None:
         "specforge_tau_ratio": None,
         "wall_s": {"total": round(sum(times.values()), 1), **by_kind},
         "wall_s_per_stage": times,
+        "disk_after_stage": json.loads((work / DISK).read_text()) if (work / DISK).exists() else None,
         "conversations": sum(c.get("conversations", 0) for c in cut),
         "samples": sum(g.get("conversations_kept", g.get("conversations", 0)) for g in gen.values()),
         "generate": {
