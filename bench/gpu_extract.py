@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from bench.gpu_profile import apply_sets
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -86,13 +88,8 @@ def workspace(root: Path, args) -> tuple[Path, dict]:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["tokenize"]["max_seq_len"] = 2048
     params["extract"]["device"] = args.device
-    for item in args.sets:  # -S section.key=yaml value, e.g. extract.batch_tokens=65536
-        key, value = item.split("=", 1)
-        section, name = key.split(".", 1)
-        if name not in params.get(section, {}):
-            sys.exit(f"-S {item}: params.yaml has no {key}")
-        params[section][name] = yaml.safe_load(value)
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    apply_sets(args.sets, ws / "params.yaml", ws / "set.yaml")  # -S section.key=value, e.g. extract.batch_tokens=65536
     cfg = json.loads((model_dir / "config.json").read_text())
     return ws, cfg
 

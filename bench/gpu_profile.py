@@ -53,6 +53,26 @@ def commit(work: Path, message: str) -> None:
        work)  # fmt: skip
 
 
+def apply_sets(sets: list[str], params: Path, scratch: Path) -> list:
+    """`section.key=yaml value` overrides onto a params file, by the profile rule (each key must exist
+    there: eaglenest.profile.apply); scratch holds them as a profile file. Returns the changes."""
+    if not sets:
+        return []
+    import yaml
+
+    sys.path.insert(0, str(REPO))
+    from eaglenest import profile as prof
+
+    extra = {}
+    for s in sets:
+        key, value = s.split("=", 1)
+        section, name = key.split(".", 1)
+        extra.setdefault(section, {})[name] = yaml.safe_load(value)
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    scratch.write_text(yaml.safe_dump(extra))
+    return prof.apply(scratch, params)
+
+
 def setup(work: Path, profile: str, sets: list[str]) -> None:
     sys.path.insert(0, str(REPO))
     from eaglenest import profile as prof
@@ -82,18 +102,7 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
         if (REPO / "dvc.lock").exists():
             shutil.copy2(REPO / "dvc.lock", work / "dvc.lock")
     changes = prof.apply(work / "profiles" / f"{profile}.yaml", work / "params.yaml")
-    if sets:  # the same rule as a profile: each section.key must exist
-        import yaml
-
-        extra = {}
-        for s in sets:
-            key, value = s.split("=", 1)
-            section, name = key.split(".", 1)
-            extra.setdefault(section, {})[name] = yaml.safe_load(value)
-        path = work / "bench" / "out" / "set.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(extra))
-        changes += prof.apply(path, work / "params.yaml")
+    changes += apply_sets(sets, work / "params.yaml", work / "bench" / "out" / "set.yaml")
     local = work / ".dvc" / "config.local"
     if not local.exists():  # hash tens of GB with every core (DVC's default is 4 threads)
         local.write_text(f"[core]\n    checksum_jobs = {os.cpu_count() or 4}\n")
@@ -160,13 +169,18 @@ def stream(cmd: list[str], work: Path, log_name: str, deadline: float) -> tuple[
     return p.returncode, lines
 
 
+def update_json(work: Path, rel: str, key: str, value) -> dict:
+    """One key of a small JSON record under the work repo (bench/out), read, set and written back."""
+    path = work / rel
+    rows = json.loads(path.read_text()) if path.exists() else {}
+    rows[key] = value(rows.get(key)) if callable(value) else value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def add_time(work: Path, key: str, seconds: float) -> dict:
-    times_path = work / TIMES
-    times = json.loads(times_path.read_text()) if times_path.exists() else {}
-    times[key] = round(times.get(key, 0) + seconds, 1)
-    times_path.parent.mkdir(parents=True, exist_ok=True)
-    times_path.write_text(json.dumps(times, indent=1))
-    return times
+    return update_json(work, TIMES, key, lambda old: round((old or 0) + seconds, 1))
 
 
 DISK = "bench/out/gpu_profile_disk.json"
@@ -175,11 +189,8 @@ DISK = "bench/out/gpu_profile_disk.json"
 def record_disk(work: Path, stage: str) -> dict:
     """The disk after each stage: how much more data (`turns`, parts) the machine's disk can take."""
     u = shutil.disk_usage(work)
-    path = work / DISK
-    rows = json.loads(path.read_text()) if path.exists() else {}
-    rows[stage] = {"used_gb": round(u.used / 1e9, 1), "free_gb": round(u.free / 1e9, 1)}
-    path.write_text(json.dumps(rows, indent=1))
-    return rows[stage]
+    row = {"used_gb": round(u.used / 1e9, 1), "free_gb": round(u.free / 1e9, 1)}
+    return update_json(work, DISK, stage, row)[stage]
 
 
 def run(work: Path, budget: float, min_left: float) -> None:

@@ -133,7 +133,6 @@ def base_params(**over) -> dict:
 def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
     """Two parts of random token sequences extracted from the tiny target (states in `states`)
     and packed; returns a stage workspace holding data/target and data/packed."""
-
     from eaglenest.data.pack import pack
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
