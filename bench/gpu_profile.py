@@ -281,6 +281,8 @@ def report(work: Path, out: Path) -> None:
     parts = {p.stem: p for p in (m / "generate").glob("*.json")}
     gen = {k: json.loads(p.read_text()) for k, p in parts.items()}
     ext = {p.stem: json.loads(p.read_text()) for p in (m / "extract").glob("*.json")}
+    # the stage's own wall clock split (forward loop vs each fixed cost): where an extract stage's time goes
+    wall = {p.stem: json.loads(p.read_text()) for p in (work / "reports" / "extract").glob("*.json")}
     tok = {p.stem: json.loads(p.read_text()) for p in (m / "tokenize").glob("*.json")}
     cut = [json.loads(p.read_text()) for p in (m / "sharegpt").glob("*.json")]
     by_kind = {}
@@ -315,7 +317,12 @@ def report(work: Path, out: Path) -> None:
         "tokenized_tokens": sum(t.get("tokens", 0) for t in tok.values()),
         "loss_tokens": sum(t.get("loss_tokens", 0) for t in tok.values()),
         "extract": {
-            k: {"tokens_per_s": e.get("tokens_per_s"), "gate_passed": e.get("gate_passed")} for k, e in ext.items()
+            k: {
+                "tokens_per_s": e.get("tokens_per_s"),
+                "gate_passed": e.get("gate_passed"),
+                **{f: wall.get(k, {}).get(f) for f in ("wall_s", "forward_s", "fixed_cost")},
+            }
+            for k, e in ext.items()
         },
         "train_tokens": pk.get("train_tokens"),
         "pack": pk,
