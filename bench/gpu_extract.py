@@ -157,6 +157,70 @@ def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
     return out
 
 
+def profile_batches(ws: Path, part: str, n: int, device: str) -> dict:
+    """The stage's first n batches of `part`, in this process, planned as the stage plans them (pieces,
+    windows, length batches): per batch its rows, real and padded tokens, the host's time to launch it
+    and to have its outputs on the host, and its GPU time (CUDA events around the launch); then the
+    kernels of batches 2..n by family (`bench.gpu.kernel_profile`). Tells a per-batch host cost from
+    GPU work, and padding from both."""
+    import torch
+
+    from bench.gpu import kernel_profile
+    from eaglenest.extraction.backends import make_backend
+    from eaglenest.extraction.plan import length_batches, plan_pieces, plan_windows, read_tokenized
+    from eaglenest.store.hidden_store import Layout
+    from eaglenest.taps import resolve_taps
+    from eaglenest.target import load_target
+
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    ex, st = params["extract"], params["store"]
+    target = load_target(ws / "data" / "target")
+    taps = resolve_taps(ex["taps"], target.num_layers)
+    be = make_backend("hf", target=target, device=device, taps=taps, dtype=ex["dtype"], states=st["states"],
+                      **(ex["hf"] or {}))  # fmt: skip
+    _, seqs = read_tokenized(ws / "data" / "tokenized" / f"{part}.parquet")
+    lengths = [len(x) for x in seqs]
+    store = {k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level", "states")}
+    max_len = int(params["tokenize"]["max_seq_len"])
+    layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_len, **store)
+    bt = int(ex["batch_tokens"])
+    windows = plan_windows(plan_pieces(lengths, layout.shard_tokens), lengths, bt)
+    batches = [b for w in windows for b in length_batches([i for p in w for i in p.samples], lengths, bt)][:n]
+    rows = []
+    cuda = device.startswith("cuda")  # on the CPU (a harness check) the GPU columns stay empty
+
+    def one(b):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+        t = time.perf_counter()
+        events and events[0].record()
+        wait = be.extract_async([seqs[i] for i in b])
+        launch = time.perf_counter() - t
+        events and events[1].record()
+        wait()
+        cuda and torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        rows.append({
+            "rows": len(b),
+            "real_tokens": sum(lengths[i] for i in b),
+            "padded_tokens": len(b) * max(lengths[i] for i in b),
+            "launch_ms": round(launch * 1e3, 1),
+            "wall_ms": round(wall * 1e3, 1),
+            "gpu_ms": round(events[0].elapsed_time(events[1]), 1) if cuda else None,
+        })  # fmt: skip
+
+    def rest():
+        for b in batches[1:]:
+            one(b)
+
+    one(batches[0])  # the load and the compile warm-up land here
+    res = {"part": part, "batch_tokens": bt, "shard_tokens": layout.shard_tokens, "batches": rows}
+    if cuda:
+        res["kernels"] = kernel_profile(rest)
+    else:
+        rest()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2_600_000, help="tokens per part (the seed's 21M over 8 GPUs)")
@@ -167,6 +231,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path.home() / "gpu_extract")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_extract.json")
     ap.add_argument("--budget", type=float, default=None, help="seconds: start no part the budget cannot finish")
+    ap.add_argument("--profile-batches", type=int, default=0,
+                    help="then the first N batches of the first part in this process: per batch host and GPU "
+                         "time, padding, and the kernels (profile_batches)")  # fmt: skip
     ap.add_argument("-S", dest="sets", action="append", default=[],
                     help="section.key=value over the repository's params.yaml (e.g. extract.batch_tokens=65536); "
                          "each setting has its own workspace and results; the target is shared")  # fmt: skip
@@ -236,6 +303,9 @@ def main() -> None:
     )
     if "gate_by_samples" not in res:
         res["gate_by_samples"] = gate_costs(ws, parts[-1], [int(x) for x in a.gate_samples.split(",")], a.device)
+        partial.write_text(json.dumps(res, indent=1))
+    if a.profile_batches and "batch_profile" not in res:
+        res["batch_profile"] = profile_batches(ws, parts[0], a.profile_batches, a.device)
         partial.write_text(json.dumps(res, indent=1))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -336,16 +336,16 @@ def test_write_failure_is_clear_and_keeps_committed_pieces(smollm2, tmp_path):
 
 
 def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_target, tmp_path):
-    """extract.devices: pieces dealt round-robin to worker processes (here 3 on the CPU, as 3 GPUs
-    would be), the gate once: the same keys, digests and shard bytes as one process. A worker that
-    fails is named, and the pieces committed so far are kept for the resume."""
+    """extract.devices: windows of pieces dealt round-robin to worker processes (here 3 on the CPU, as
+    3 GPUs would be), the gate once: the same keys, digests and shard bytes as one process. A worker
+    that fails is named, and the pieces committed so far are kept for the resume."""
     taps = resolve_taps("auto", tiny_target.num_layers)
     tok = write_tokenized(tmp_path / "tok.parquet", random_samples(40, 500, 10, 60, seed=3))
     spec = ("hf", {"taps": taps, "dtype": "bfloat16"})
 
     def run(name, work="work", **kw):
         return extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
-                            backend=HFBackend(tiny_target, taps, device="cpu"), batch_tokens=256, max_seq_len=64,
+                            backend=HFBackend(tiny_target, taps, device="cpu"), batch_tokens=64, max_seq_len=64,
                             layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1),
                             validate_cfg=gate(2), out_dir=tmp_path / name, work_root=tmp_path / work / name,
                             progress=False, **kw)  # fmt: skip
@@ -353,6 +353,7 @@ def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_t
     one = run("one")
     three = run("three", devices=["cpu"] * 3, backend_spec=spec)
     assert one["devices"] == 1 and three["devices"] == 3 and one["pieces"] >= 6
+    assert 3 <= one["windows"] < one["pieces"]  # a worker each; batches span the pieces of a window
     a, b = HiddenStore(tmp_path / "one"), HiddenStore(tmp_path / "three")
     assert a.index == b.index
     files = sorted(p.relative_to(a.path) for p in a.path.rglob("*") if p.is_file())
@@ -365,6 +366,34 @@ def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_t
     assert "rerun to resume" in str(e.value) and not (tmp_path / "broken").exists()
     resumed = run("broken")  # one process now: the pieces the failed run committed are kept
     assert 0 < resumed["pieces_resumed"] < resumed["pieces"] and HiddenStore(tmp_path / "broken").index == a.index
+
+
+def test_windows_batch_across_pieces_with_less_padding():
+    """An 8B target's 128 MB piece holds ~4k tokens: batches planned per piece were capped there and
+    padded to their longest sample. Planned over windows of consecutive pieces (every piece in exactly
+    one window, in order), batches reach batch_tokens and hold samples of about one length."""
+    from eaglenest.extraction.plan import WINDOW_BATCHES, length_batches, plan_pieces, plan_windows
+
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(128, 2049, size=2400)]  # the 8B bench's samples
+    pieces = plan_pieces(lengths, 4096)
+
+    def padding(groups, bt):
+        batches = [b for g in groups for b in length_batches(g, lengths, bt)]
+        padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        return 1 - sum(lengths) / padded, max(sum(lengths[i] for i in b) for b in batches)
+
+    for bt in (4096, 65536):
+        windows = plan_windows(pieces, lengths, bt)
+        assert [p for w in windows for p in w] == pieces
+        assert all(sum(lengths[i] for p in w for i in p.samples) >= WINDOW_BATCHES * bt for w in windows[:-1])
+        per_piece, biggest_piece_batch = padding([p.samples for p in pieces], bt)
+        per_window, biggest_window_batch = padding([[i for p in w for i in p.samples] for w in windows], bt)
+        assert per_window < 0.12 and per_window < per_piece / 2, (bt, per_piece, per_window)
+        assert biggest_piece_batch <= 4096 and (bt == 4096 or biggest_window_batch > 8 * 4096)
+    # a narrow target's piece (SmolLM2 bf16: ~29k tokens) fills most of a window at the CPU's 4096
+    narrow = plan_pieces(lengths, 29 * 1024)
+    assert len(plan_windows(narrow, lengths, 4096)) >= len(narrow) / 2
 
 
 def test_extract_devices_resolve_to_one_worker_per_device():

@@ -1,8 +1,9 @@
-"""One part over several devices (docs/design.md: Extraction). Pieces are dealt round-robin over the
-devices: the calling process (rank 0) extracts its share with its own backend, and
-torch.multiprocessing starts one worker per other device, each with its own backend, writers and
-piece buffers, writing whole pieces into the same work store. The caller then gates and publishes
-once. A piece's bytes depend only on its samples, so the store is the same for any device count."""
+"""One part over several devices (docs/design.md: Extraction). Windows of pieces (`plan.plan_windows`)
+are dealt round-robin over the devices: the calling process (rank 0) extracts its share with its own
+backend, and torch.multiprocessing starts one worker per other device, each with its own backend,
+writers and piece buffers, writing whole pieces into the same work store. The caller then gates and
+publishes once. A piece's bytes depend only on its window's samples (the batches are planned per
+window), so the store is the same for any device count."""
 
 import contextlib
 import logging
@@ -41,8 +42,8 @@ def devices_for(count: int | str, device: str) -> list[str]:
     return [device] * int(count)  # several processes on one device: the CPU, or tests
 
 
-def share(pending: list[Piece], rank: int, world: int) -> list[Piece]:
-    return pending[rank::world]
+def share(windows: list[list[Piece]], rank: int, world: int) -> list[list[Piece]]:
+    return windows[rank::world]
 
 
 def cpu_threads(devices: list[str]) -> int:
@@ -77,7 +78,8 @@ class Job:
     part: str
     work_key: str
     layout: Layout
-    pieces: list[Piece]
+    windows: list[list[Piece]]
+    todo: set[int]  # the pending pieces' indices
     keys: list[str]
     batch_tokens: int
     writers: int
@@ -127,7 +129,7 @@ def _run(i: int, jobs: list[Job]) -> None:
         names, seqs = read_tokenized(job.tokenized)
         work = WorkDir(job.work_root, job.part, job.work_key)
         with tqdm(disable=True) as bar:
-            _, _, pool, _ = extract_pieces(job.pieces, seqs, names, job.keys, backend, job.layout, work,
+            _, _, pool, _ = extract_pieces(job.windows, job.todo, seqs, names, job.keys, backend, job.layout, work,
                                            job.batch_tokens, job.writers, bar)  # fmt: skip
         pool.close()
     finally:

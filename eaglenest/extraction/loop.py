@@ -25,7 +25,7 @@ from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, 
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.gate import ReferenceLoader, run_gate
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
-from eaglenest.extraction.plan import plan_pieces, read_tokenized
+from eaglenest.extraction.plan import plan_pieces, plan_windows, read_tokenized
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
@@ -104,6 +104,7 @@ def _extract_part(
     work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)))
     work = WorkDir(work_root, part, work_key)
     pieces = plan_pieces(lengths, layout.shard_tokens)
+    windows = plan_windows(pieces, lengths, batch_tokens)
     attrs = {
         "schema_version": SCHEMA_VERSION,
         "part": part,
@@ -124,6 +125,9 @@ def _extract_part(
     _open_work_store(work, layout, len(pieces), attrs)
     done = work.committed()
     pending = [p for p in pieces if p.index not in done]
+    todo = {p.index for p in pending}
+    # the unit of work (and of sharing between devices) is a window: its batches span its pieces
+    open_windows = [w for w in windows if any(p.index in todo for p in w)]
     if done:
         log.info("%s: resuming: %d of %d pieces already committed in %s", part, len(done), len(pieces), work.path)
     keys = [sample_key(target.fingerprint, efp, s.tobytes()) for s in seqs]
@@ -134,7 +138,7 @@ def _extract_part(
     # half the cores, at most 8, over the devices: a GPU host's 16 cores write ~1.7 GB/s of zstd-1
     # shards with 8 (bench.host_path); the other half run the loops, the fill copies and the backends
     writers = max(1, (writers or min(8, (os.cpu_count() or 2) // 2)) // world)
-    mine = share(pending, 0, world)
+    mine = share(open_windows, 0, world)
     t_compute = time.time()
     workers = freeing = None
     # the gate's float32 reference loads while the forward loop runs (validate.samples 0: no gate),
@@ -144,25 +148,25 @@ def _extract_part(
         backend.load()
     loader = ReferenceLoader(target, taps, described.get("device", "cpu")) if gate_samples(validate_cfg) > 0 else None
     try:
-        if world > 1 and len(pending) > 1:
+        if world > 1 and len(open_windows) > 1:
             if backend_spec is None:
                 raise EaglenestError(f"{part}: extraction over {world} devices needs the backend's name and options")
             jobs = [
                 Job(rank=r, device=devices[r], backend=backend_spec[0], backend_kw=backend_spec[1], target=target,
                     tokenized=Path(tokenized), work_root=Path(work_root), part=part, work_key=work_key, layout=layout,
-                    pieces=share(pending, r, world), keys=keys, batch_tokens=batch_tokens, writers=writers,
-                    threads=cpu_threads(devices))
+                    windows=share(open_windows, r, world), todo=todo, keys=keys, batch_tokens=batch_tokens,
+                    writers=writers, threads=cpu_threads(devices))
                 for r in range(1, world)
             ]  # fmt: skip
             workers = start(jobs)
-            log.info("%s: %d of %d pieces on %s here, the rest on %s", part, len(mine), len(pending), devices[0],
-                     ", ".join(devices[1:]))  # fmt: skip
+            log.info("%s: %d of %d windows of pieces on %s here, the rest on %s", part, len(mine), len(open_windows),
+                     devices[0], ", ".join(devices[1:]))  # fmt: skip
         elif world > 1:
-            mine = pending  # one piece (or none) left: nothing to share
+            mine = open_windows  # one window (or none) left: nothing to share
         with (
             limit_threads(cpu_threads(devices) if workers else None),
             tqdm(
-                total=sum(lengths[i] for p in mine for i in p.samples),
+                total=sum(lengths[i] for w in mine for p in w if p.index in todo for i in p.samples),
                 unit="tok",
                 unit_scale=True,
                 desc=f"extract {part}" + (f" [1 of {world} devices]" if workers else ""),
@@ -171,7 +175,7 @@ def _extract_part(
             ) as bar,
         ):
             clock, writer, pool, drain_s = extract_pieces(
-                mine, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar
+                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar
             )
         # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
         freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
@@ -197,6 +201,7 @@ def _extract_part(
             "samples": len(seqs),
             "tokens": sum(lengths),
             "pieces": len(pieces),
+            "windows": len(windows),
             "pieces_resumed": len(done),
             "tokens_extracted_now": todo_tokens,
             "extract_seconds": round(compute_s, 2),

@@ -1,7 +1,8 @@
-"""The pipelined batch loop of an extraction (docs/design.md: Extraction): batches of each pending piece
-through the backend, the next launched before the current one's outputs are awaited; outputs copied
-into the piece's buffers by fill threads; each filled piece handed to the writer. And the account of
-where that loop waited (`host_path_report`): on the backend (compute-bound) or on the writers."""
+"""The pipelined batch loop of an extraction (docs/design.md: Extraction): the batches of each window
+that holds a pending piece through the backend, the next launched before the current one's outputs are
+awaited; outputs copied into their pieces' buffers by fill threads; each piece handed to the writer once
+its last sample is in. And the account of where that loop waited (`host_path_report`): on the backend
+(compute-bound) or on the writers."""
 
 import concurrent.futures
 import logging
@@ -20,7 +21,7 @@ from eaglenest.store.piece_buffers import BufferPool
 log = logging.getLogger(__name__)
 
 
-def _launch(backend, batch: list[int], seqs, names, piece: Piece):
+def _launch(backend, batch: list[int], seqs, names, piece_of: dict[int, Piece]):
     """Start one batch; returns a callable that waits for its outputs. A backend with
     `extract_async` (hf) computes while the caller copies the previous batch out."""
 
@@ -28,8 +29,9 @@ def _launch(backend, batch: list[int], seqs, names, piece: Piece):
         try:
             return fn(*a)
         except SampleFailed as e:
+            i = batch[e.position]
             raise EaglenestError(
-                f"sample {names[batch[e.position]]!r} (part piece {piece.index}): {e.reason}. "
+                f"sample {names[i]!r} (part piece {piece_of[i].index}): {e.reason}. "
                 f"Committed pieces are kept; rerun to resume."
             ) from None
 
@@ -102,12 +104,13 @@ class PieceFill:
         return rows, fill_s
 
 
-def extract_pieces(pending, seqs, names, keys, backend, layout: Layout, work: WorkDir, batch_tokens: int,
+def extract_pieces(windows, todo, seqs, names, keys, backend, layout: Layout, work: WorkDir, batch_tokens: int,
                    writers: int, bar) -> tuple[dict, PieceWriter, BufferPool, float]:  # fmt: skip
-    """`pending` through the backend into the work store: `writers` background writers (processes
-    when > 1), pooled piece buffers, two fill threads. Returns (where the loop waited, the closed
-    writer, the pool, seconds spent draining the writers); the pool still holds its buffers (GBs)
-    for the caller to free, beside the gate. On failure the pool is freed here."""
+    """The pieces of `windows` (`plan.plan_windows`) whose index is in `todo` through the backend into
+    the work store: `writers` background writers (processes when > 1), pooled piece buffers, two fill
+    threads. Returns (where the loop waited, the closed writer, the pool, seconds spent draining the
+    writers); the pool still holds its buffers (GBs) for the caller to free, beside the gate. On
+    failure the pool is freed here."""
     lengths = [len(s) for s in seqs]
     writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
     pool = BufferPool(layout, shared=writer.shared)
@@ -115,7 +118,7 @@ def extract_pieces(pending, seqs, names, keys, backend, layout: Layout, work: Wo
         with ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
             try:
                 clock = run_pieces(
-                    pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
+                    windows, todo, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
                 )
                 t_drain = time.perf_counter()
             finally:
@@ -126,51 +129,68 @@ def extract_pieces(pending, seqs, names, keys, backend, layout: Layout, work: Wo
         raise
 
 
-def run_pieces(pending, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool) -> dict:
-    """Every batch of every pending piece through the backend, the next batch always launched
-    before the current one's outputs are awaited, so the GPU never waits on the host; each
-    filled piece goes to the writer (copies still running). Returns where this loop waited, in
-    seconds: on the backend (compute-bound) or on the writers (store-bound); launch_s = launching
-    batches (all of the compute for a backend without `extract_async`)."""
+def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer,
+               pool) -> dict:  # fmt: skip
+    """Every batch of each window that holds a piece in `todo`, the next batch always launched before
+    the current one's outputs are awaited, so the GPU never waits on the host; each piece goes to the
+    writer (copies still running) once its last sample is in. A batch is run whole even where some of
+    its samples belong to committed pieces (a resume): their outputs are dropped, and the pending ones
+    come out of the same batches, bit for bit, as in an uninterrupted run. Returns where this loop
+    waited, in seconds: on the backend (compute-bound) or on the writers (store-bound); launch_s =
+    launching batches (all of the compute for a backend without `extract_async`); and the batches'
+    padding (real_tokens and padded_tokens, count x longest, over the batches run)."""
     clock = {"launch_s": 0.0, "wait_backend_s": 0.0, "wait_writers_s": 0.0}
-    work = iter(
-        [
-            (p, b, j == len(bs) - 1)
-            for p in pending
-            for bs in [length_batches(p.samples, lengths, batch_tokens)]
-            for j, b in enumerate(bs)
+    clock.update(batches=0, real_tokens=0, padded_tokens=0)
+    piece_of, left, batches = {}, {}, []
+    for window in windows:
+        for p in window:
+            piece_of.update(dict.fromkeys(p.samples, p))
+            if p.index in todo:
+                left[p.index] = len(p.samples)
+        samples = [i for p in window for i in p.samples]
+        batches += [
+            b for b in length_batches(samples, lengths, batch_tokens) if any(piece_of[i].index in todo for i in b)
         ]
-    )
+    work = iter(batches)
 
-    def start(item):
-        if item is None:
+    def start(batch):
+        if batch is None:
             return None
         t = time.perf_counter()
-        launched = (*item, _launch(backend, item[1], seqs, names, item[0]))
+        launched = batch, _launch(backend, batch, seqs, names, piece_of)
         clock["launch_s"] += time.perf_counter() - t  # a backend without extract_async computes here
+        clock["batches"] += 1
+        clock["real_tokens"] += sum(lengths[i] for i in batch)
+        clock["padded_tokens"] += len(batch) * max(lengths[i] for i in batch)
         return launched
 
-    current, inflight = None, start(next(work, None))
+    filling: dict[int, PieceFill] = {}
+    inflight = start(next(work, None))
     try:
         while inflight is not None:
-            piece, batch, last, wait = inflight
+            batch, wait = inflight
             inflight = start(next(work, None))
             t = time.perf_counter()
             outs = wait()
             clock["wait_backend_s"] += time.perf_counter() - t
-            if current is None:
-                current = PieceFill(piece, layout, pool, lengths, names, keys)
-            current.add(batch, outs, seqs, fill)
-            bar.update(sum(lengths[i] for i in batch))
-            if last:
-                t = time.perf_counter()
-                writer.put(current)  # the writer owns it from here
-                current = None
-                clock["wait_writers_s"] += time.perf_counter() - t
+            by_piece: dict[int, list] = {}
+            for i, out in zip(batch, outs):
+                if piece_of[i].index in left:  # else committed already (a resume)
+                    by_piece.setdefault(piece_of[i].index, []).append((i, out))
+            for k, got in by_piece.items():
+                if k not in filling:
+                    filling[k] = PieceFill(piece_of[got[0][0]], layout, pool, lengths, names, keys)
+                filling[k].add([i for i, _ in got], [o for _, o in got], seqs, fill)
+                bar.update(sum(lengths[i] for i, _ in got))
+                left[k] -= len(got)
+                if left[k] == 0:
+                    t = time.perf_counter()
+                    writer.put(filling.pop(k))  # the writer owns it from here
+                    clock["wait_writers_s"] += time.perf_counter() - t
     finally:
-        if current is not None:  # stop its copies before the pool frees the buffers
-            current.settle()
-            current.bufs.release()
+        for f in filling.values():  # stop their copies before the pool frees the buffers
+            f.settle()
+            f.bufs.release()
     return clock
 
 
@@ -180,6 +200,8 @@ def host_path_report(
     """Where the extraction loop's time went, and which side bounds it: a loop that mostly waits on
     the backend is compute-bound (as it should be); one that waits on the writers is store-bound."""
     out = {k: round(v, 2) for k, v in {**clock, "drain_writers_s": drain_s}.items()}
+    if clock.get("padded_tokens"):  # the forward's share spent on padding rows
+        out["batch_padding"] = round(1 - clock["real_tokens"] / clock["padded_tokens"], 4)
     out["writers"] = writers
     out["writer_busy"] = {k: round(v, 2) for k, v in writer.seconds.items()}
     out["writer_utilisation"] = round(writer.seconds["piece_s"] / max(1e-9, writers * compute_s), 3)
