@@ -107,6 +107,8 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     if not local.exists():  # hash tens of GB with every core (DVC's default is 4 threads)
         local.write_text(f"[core]\n    checksum_jobs = {os.cpu_count() or 4}\n")
     print(f"{work}: profile {profile}, {len(changes)} key(s) set")
+    if Path("/dev/shm").is_dir():  # extraction's piece buffers: a window of pieces + the writers' (GBs)
+        print(f"/dev/shm: {shutil.disk_usage('/dev/shm').free / 1e9:.1f} GB free")
     if not (work / ".git").exists():
         sh(["git", "init", "-q"], work)
     # data/, metrics/ and reports/ hold DVC outputs: DVC refuses an output that git tracks

@@ -85,7 +85,11 @@ SCHEMA = {
         "batch_tokens": POS,
         "max_rows": POS,
     },
-    "tokenize": {"max_seq_len": _int(8), "on_error": _one_of("fail", "skip")},
+    "tokenize": {
+        "max_seq_len": _int(8),
+        "on_error": _one_of("fail", "skip"),
+        "workers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
+    },
     "extract": {
         "backend": _one_of("hf", "sglang", "vllm"),
         "taps": _either(_one_of("auto"), _list(_int(0), 3, 3), what="auto or three layer indices >= 0"),

@@ -1,11 +1,12 @@
 """Stage `tokenize@<part>`: render with the target's chat template, loss mask over assistant
 tokens (derived from the rendering), truncate at max_seq_len, write Parquet.
 
-    python -m stages.tokenize <part>   (params: tokenize.max_seq_len, tokenize.on_error)
+    python -m stages.tokenize <part>   (params: tokenize.max_seq_len, tokenize.on_error, tokenize.workers)
 """
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from eaglenest.atomic import write_json
@@ -35,7 +36,8 @@ def main(argv=None) -> None:
     tok = load_tokenizer(target)
     require_template(tok, str(target.model_dir))
     convs, report = read_jsonl(src, on_error=on_error)
-    table, stats = tokenize_part(tok, convs, int(p["max_seq_len"]), str(src), on_error=on_error)
+    workers = (os.cpu_count() or 1) if p.get("workers", "auto") == "auto" else int(p["workers"])
+    table, stats = tokenize_part(tok, convs, int(p["max_seq_len"]), str(src), on_error=on_error, workers=workers)
     if stats["samples"] == 0:
         raise EaglenestError(f"{src}: no usable samples after tokenization")
     write_tokenized(table, paths.tokenized(args.part))

@@ -57,10 +57,21 @@ def test_unrenderable_conversation_names_sample(smollm2_tokenizer):
         {"id": "ok", "messages": CONV[:2]},
         {"id": "sys-7", "messages": [{"role": "system", "content": "s"}] + CONV[:2]},
     ]
-    with pytest.raises(EaglenestError, match=r"sample 'sys-7'.*system role not supported"):
-        tokenize_part(tok, convs, 128, source="part.jsonl")
-    table, stats = tokenize_part(tok, convs, 128, source="part.jsonl", on_error="skip")
-    assert table.num_rows == 1 and stats["skipped_reasons"] == {"unrenderable": 1}
+    for workers in (1, 2):  # rendered in this process, or in worker processes
+        with pytest.raises(EaglenestError, match=r"sample 'sys-7'.*system role not supported"):
+            tokenize_part(tok, convs, 128, source="part.jsonl", workers=workers)
+        table, stats = tokenize_part(tok, convs, 128, source="part.jsonl", on_error="skip", workers=workers)
+        assert table.num_rows == 1 and stats["skipped_reasons"] == {"unrenderable": 1}
+
+
+def test_worker_processes_give_the_same_table(smollm2_tokenizer):
+    convs = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i} " * (i % 7 + 1)}, CONV[1]] + CONV[2:][: i % 3]}
+        for i in range(150)
+    ]
+    one, s1 = tokenize_part(smollm2_tokenizer, convs, 40, source="x")
+    three, s3 = tokenize_part(smollm2_tokenizer, convs, 40, source="x", workers=3)
+    assert one.equals(three) and s1 == s3 and s1["samples"] + s1["skipped"] == 150 and s1["truncated"] > 0
 
 
 def test_missing_chat_template_is_an_error(smollm2_tokenizer):
