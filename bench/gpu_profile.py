@@ -4,10 +4,11 @@
         copy this checkout's code to a work repo outside it (--workdir, default ~/run: it survives
         between calls while the machine is warm, and its dvc.lock and DVC cache are the machine's
         own), apply the profile (and -S overrides) to its params.yaml, git-commit it.
-    python -m bench.gpu_profile run [--budget 540]
+    python -m bench.gpu_profile run [--budget 540] [--until STAGE]
         `dvc repro --single-item` each stage in pipeline order, timing each; starts no stage once the
         budget is spent, and stops a stage still running at the budget (training resumes from its
-        checkpoint next call). Prints what is left.
+        checkpoint next call). Prints what is left. --until pack: no stage after pack (e.g. to train
+        another model on the packed data: bench.specforge_train).
     python -m bench.gpu_profile exp NAME [-S section.key=yaml ...] [--budget 540]
         one ablation: `dvc exp run -n NAME -S ...` from the committed profile, its metrics appended to
         bench/out/gpu_experiments.json (and to the report's "experiments").
@@ -195,9 +196,15 @@ def record_disk(work: Path, stage: str) -> dict:
     return update_json(work, DISK, stage, row)[stage]
 
 
-def run(work: Path, budget: float, min_left: float) -> None:
+def run(work: Path, budget: float, min_left: float, until: str | None = None) -> None:
     t0 = time.time()
-    for stage in stages(work):
+    todo = stages(work)
+    if until:
+        kinds = [st.split("@")[0] for st in todo]
+        if until not in kinds:
+            sys.exit(f"--until {until}: no such stage (stages: {', '.join(dict.fromkeys(kinds))})")
+        todo = todo[: len(kinds) - kinds[::-1].index(until)]
+    for stage in todo:
         left = budget - (time.time() - t0)
         if left < min_left:
             print(f"budget spent; next: {stage}")
@@ -222,7 +229,7 @@ def run(work: Path, budget: float, min_left: float) -> None:
     # committed: experiments (`exp`) start from it, and `restore` returns to it
     sh(["git", "add", "dvc.lock"], work)
     commit(work, "gpu profile: dvc.lock")
-    print("all stages done")
+    print(f"stages done through {until}" if until else "all stages done")
 
 
 EXPS = "bench/out/gpu_experiments.json"
@@ -382,6 +389,7 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--budget", type=float, default=540)
     r.add_argument("--min-left", type=float, default=60, help="start no stage with less than this left")
+    r.add_argument("--until", help="the last stage to run (its @parts included), e.g. pack")
     e = sub.add_parser("exp", help="one ablation as a DVC experiment, from the committed profile")
     e.add_argument("name")
     e.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value (dvc exp run -S)")
@@ -392,7 +400,7 @@ def main() -> None:
     if a.cmd == "setup":
         setup(a.workdir, a.profile, a.sets)
     elif a.cmd == "run":
-        run(a.workdir, a.budget, a.min_left)
+        run(a.workdir, a.budget, a.min_left, a.until)
     elif a.cmd == "exp":
         experiment(a.workdir, a.name, a.sets, a.budget)
     else:
