@@ -156,7 +156,7 @@ def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):
                 "batch_tokens": 4096,
                 "max_rows": 8,
             },
-            "tokenize": {"max_seq_len": 256, "on_error": "fail"},
+            "tokenize": {"max_seq_len": 256, "on_error": "fail", "workers": "auto"},
         },
     )
     (ws / "data/parts").mkdir(parents=True)
