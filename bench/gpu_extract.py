@@ -167,7 +167,7 @@ def profile_batches(ws: Path, part: str, n: int, device: str) -> dict:
 
     from bench.gpu import kernel_profile
     from eaglenest.extraction.backends import make_backend
-    from eaglenest.extraction.plan import length_batches, plan_pieces, plan_windows, read_tokenized
+    from eaglenest.extraction.plan import plan_pieces, plan_windows, read_tokenized, window_batches
     from eaglenest.store.hidden_store import Layout
     from eaglenest.taps import resolve_taps
     from eaglenest.target import load_target
@@ -185,7 +185,7 @@ def profile_batches(ws: Path, part: str, n: int, device: str) -> dict:
     layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_len, **store)
     bt = int(ex["batch_tokens"])
     windows = plan_windows(plan_pieces(lengths, layout.shard_tokens), lengths, bt)
-    batches = [b for w in windows for b in length_batches([i for p in w for i in p.samples], lengths, bt)][:n]
+    batches = [b for w in windows for b in window_batches(w, lengths, bt)][:n]
     rows = []
     cuda = device.startswith("cuda")  # on the CPU (a harness check) the GPU columns stay empty
 

@@ -4,6 +4,7 @@ that is there (params.yaml is the one home of the defaults: the stages read `p[k
 `p.get(key, default)`). A typo, a bad value or a dropped key fails before any work, in one message
 naming the key. A section may be absent as a whole (a workspace that runs one stage holds its own)."""
 
+import os
 from pathlib import Path
 
 import yaml
@@ -215,3 +216,8 @@ def load(section: str | None = None) -> dict:
     if section not in params:
         raise EaglenestError(f"{PARAMS}: missing section `{section}`")
     return params[section]
+
+
+def workers(value) -> int:
+    """A stage's worker processes (pack.workers, tokenize.workers): auto = cores, max 16."""
+    return min(os.cpu_count() or 1, 16) if value == "auto" else int(value)

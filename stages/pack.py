@@ -6,7 +6,6 @@ python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_
 """
 
 import argparse
-import os
 
 from eaglenest.atomic import write_json
 from eaglenest.data.pack import pack
@@ -15,10 +14,6 @@ from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params
 from . import _paths as paths
-
-
-def workers(value) -> int:
-    return min(os.cpu_count() or 1, 16) if value == "auto" else int(value)
 
 
 @exit_on_error
@@ -40,7 +35,7 @@ def main(argv=None) -> None:
         shard_mb=float(p["shard_mb"]),
         progress=not args.no_progress,
         device=pick_device(p["device"]),
-        workers=workers(p["workers"]),
+        workers=_params.workers(p["workers"]),
     )
     write_json(paths.metrics("pack"), metrics)
 

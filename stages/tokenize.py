@@ -6,7 +6,6 @@ tokens (derived from the rendering), truncate at max_seq_len, write Parquet.
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 from eaglenest.atomic import write_json
@@ -36,7 +35,7 @@ def main(argv=None) -> None:
     tok = load_tokenizer(target)
     require_template(tok, str(target.model_dir))
     convs, report = read_jsonl(src, on_error=on_error)
-    workers = (os.cpu_count() or 1) if p.get("workers", "auto") == "auto" else int(p["workers"])
+    workers = _params.workers(p["workers"])
     table, stats = tokenize_part(tok, convs, int(p["max_seq_len"]), str(src), on_error=on_error, workers=workers)
     if stats["samples"] == 0:
         raise EaglenestError(f"{src}: no usable samples after tokenization")

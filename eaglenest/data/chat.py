@@ -104,9 +104,9 @@ def _encode(messages: list[dict]):
 
 
 def _encoded(tokenizer, convs: list[dict], workers: int):
-    """_encode over convs, in order; with workers > 1 in forked processes (a Jinja rendering and
-    an encoding per turn run at ~400 conversations/s on one core: ShareGPT's 15k first turns took
-    ~35 s per part on the GPU machine's 16 cores). The same results for any worker count."""
+    """_encode over convs, in order; with workers > 1 in forked processes (Jinja renderings and an
+    encoding per conversation ran at ~400 conversations/s in one process: ~35 s for each 15k-sample
+    part of the GPU profile). The same results for any worker count."""
     global _TOKENIZER
     _TOKENIZER = tokenizer
     if workers <= 1 or len(convs) < 2 or "fork" not in multiprocessing.get_all_start_methods():

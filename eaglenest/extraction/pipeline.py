@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import SampleFailed
-from eaglenest.extraction.plan import Piece, length_batches
+from eaglenest.extraction.plan import Piece, window_batches
 from eaglenest.extraction.work_dir import WorkDir
 from eaglenest.extraction.writers import PieceWriter
 from eaglenest.store import states as state_format
@@ -147,9 +147,9 @@ def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch
             piece_of.update(dict.fromkeys(p.samples, p))
             if p.index in todo:
                 left[p.index] = len(p.samples)
-        samples = [i for p in window for i in p.samples]
+        # a batch with no pending sample (all its pieces committed: a resume) is not run
         batches += [
-            b for b in length_batches(samples, lengths, batch_tokens) if any(piece_of[i].index in todo for i in b)
+            b for b in window_batches(window, lengths, batch_tokens) if any(piece_of[i].index in left for i in b)
         ]
     work = iter(batches)
 

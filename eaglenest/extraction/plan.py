@@ -83,3 +83,8 @@ def plan_windows(pieces: list[Piece], lengths: list[int], batch_tokens: int) -> 
     if cur:
         windows.append(cur)
     return windows
+
+
+def window_batches(window: list[Piece], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """A window's batches: its samples, every piece's, length-bucketed together."""
+    return length_batches([i for p in window for i in p.samples], lengths, batch_tokens)
