@@ -20,7 +20,7 @@ import yaml
 
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.loop import extract_part
-from eaglenest.extraction.plan import length_batches
+from eaglenest.extraction.plan import batch_tokens_for, length_batches
 from eaglenest.taps import resolve_taps
 from eaglenest.target import load_target
 from stages import _params
@@ -53,7 +53,7 @@ def main() -> None:
     sub = subset(Path(f"data/tokenized/{part}.parquet"), args.tokens)
     seqs = [__import__("numpy").asarray(x, dtype="int32") for x in pq.read_table(sub).column("input_ids").to_pylist()]
     lengths = [len(s) for s in seqs]
-    bt = int(params["extract"]["batch_tokens"])
+    bt = batch_tokens_for(params["extract"]["batch_tokens"], "cpu")
     be = HFBackend(target, taps, dtype="bfloat16", device="cpu")
     be.extract([seqs[0]])  # load + warm up
     t = time.time()

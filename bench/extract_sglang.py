@@ -21,7 +21,7 @@ import yaml
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.backends.sglang_client import SGLangBackend
 from eaglenest.extraction.loop import extract_part
-from eaglenest.extraction.plan import length_batches
+from eaglenest.extraction.plan import batch_tokens_for, length_batches
 from eaglenest.taps import resolve_taps
 from eaglenest.target import load_target
 from stages import _params
@@ -76,7 +76,7 @@ def main() -> None:
     taps = resolve_taps(params["extract"]["taps"], target.num_layers)
     sub = subset(Path(f"data/tokenized/{params['data']['parts'][0]}.parquet"), args.tokens)
     seqs = [np.asarray(x, dtype=np.int32) for x in pq.read_table(sub).column("input_ids").to_pylist()]
-    bt = int(params["extract"]["batch_tokens"])
+    bt = batch_tokens_for(params["extract"]["batch_tokens"], "cpu")
     res = {"tokens": int(sum(map(len, seqs))), "samples": len(seqs), "batch_tokens": bt}
 
     hf = HFBackend(target, taps, dtype="bfloat16", device="cpu")

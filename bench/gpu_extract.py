@@ -1,6 +1,7 @@
 """The extract stage's own wall clock on a GPU, the way `dvc repro extract@<part>` runs it: a fresh
 `python -m stages.extract <part>` process per part, the product's defaults, a cold compile cache for
-the first part. Writes bench/results/gpu_extract.json (issue: GPU extraction as users run it).
+the first part. Writes its run into bench/results/gpu_extract.json as `runs[<defaults | the -S
+settings>]`, keeping the other runs there (issue: GPU extraction as users run it).
 
     python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
                                 [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
@@ -74,6 +75,30 @@ def write_parts(ws: Path, parts: list[str], tokens: int, vocab: int) -> None:
 def tag(sets: list[str]) -> str:
     """A file-name-safe name for a set of overrides (letters, digits, '.', '_', '-')."""
     return "__".join("".join(c if c.isalnum() or c in "._" else "-" for c in x) for x in sets)
+
+
+SUMMARY = (
+    "target",
+    "device",
+    "peak_tflops",
+    "part_tokens",
+    "wall_mfu",
+    "fixed_s",
+    "steady_mfu_defaults",
+    "gate_by_samples",
+)
+
+
+def record(out: Path, sets: list[str], res: dict) -> None:
+    """This setting's results as `runs[<defaults | tag(sets)>]` of the results file, beside the
+    runs already there (earlier settings, earlier dates); the top-level summary keys are the
+    defaults run's."""
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    doc.setdefault("runs", {})[tag(sets) if sets else "defaults"] = res
+    if not sets:
+        doc.update({k: res[k] for k in SUMMARY if k in res})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def workspace(root: Path, args) -> tuple[Path, dict]:
@@ -167,7 +192,7 @@ def profile_batches(ws: Path, part: str, n: int, device: str) -> dict:
 
     from bench.gpu import kernel_profile
     from eaglenest.extraction.backends import make_backend
-    from eaglenest.extraction.plan import plan_pieces, plan_windows, read_tokenized, window_batches
+    from eaglenest.extraction.plan import batch_tokens_for, plan_pieces, plan_windows, read_tokenized, window_batches
     from eaglenest.store.hidden_store import Layout
     from eaglenest.taps import resolve_taps
     from eaglenest.target import load_target
@@ -183,7 +208,7 @@ def profile_batches(ws: Path, part: str, n: int, device: str) -> dict:
     store = {k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level", "states")}
     max_len = int(params["tokenize"]["max_seq_len"])
     layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_len, **store)
-    bt = int(ex["batch_tokens"])
+    bt = batch_tokens_for(ex["batch_tokens"], device)
     windows = plan_windows(plan_pieces(lengths, layout.shard_tokens), lengths, bt)
     batches = [b for w in windows for b in window_batches(w, lengths, bt)][:n]
     rows = []
@@ -265,8 +290,7 @@ def main() -> None:
             continue
         longest = max((r["outside_wall_s"] for r in res["parts"].values()), default=0)
         if a.budget and time.time() - t0 + longest > a.budget:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(res, indent=1) + "\n")
+            record(a.out, a.sets, res)
             sys.exit(f"budget: {part} would not finish in {a.budget:.0f} s; run the same command again to go on")
         for other in parts[:i]:  # measured: only the last part's store stays, for the gate
             shutil.rmtree(ws / "data" / "hidden" / other, ignore_errors=True)
@@ -307,9 +331,8 @@ def main() -> None:
     if a.profile_batches and "batch_profile" not in res:
         res["batch_profile"] = profile_batches(ws, parts[0], a.profile_batches, a.device)
         partial.write_text(json.dumps(res, indent=1))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in res.items() if k != "parts"}, indent=1))
+    record(a.out, a.sets, res)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("parts", "batch_profile")}, indent=1))
 
 
 if __name__ == "__main__":

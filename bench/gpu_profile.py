@@ -1,6 +1,6 @@
 """The GPU profile's `dvc repro` on a lent GPU machine, in calls of at most 10 minutes each.
 
-    python -m bench.gpu_profile setup [--profile gpu] [-S section.key=yaml ...]
+    python -m bench.gpu_profile setup [--profile gpu|default] [-S section.key=yaml ...]
         copy this checkout's code to a work repo outside it (--workdir, default ~/run: it survives
         between calls while the machine is warm, and its dvc.lock and DVC cache are the machine's
         own), apply the profile (and -S overrides) to its params.yaml, git-commit it.
@@ -102,7 +102,8 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
             )
         if (REPO / "dvc.lock").exists():
             shutil.copy2(REPO / "dvc.lock", work / "dvc.lock")
-    changes = prof.apply(work / "profiles" / f"{profile}.yaml", work / "params.yaml")
+    # "default": params.yaml as it is (the CPU default's recipe, e.g. its drafter for bench checks)
+    changes = [] if profile == "default" else prof.apply(work / "profiles" / f"{profile}.yaml", work / "params.yaml")
     changes += apply_sets(sets, work / "params.yaml", work / "bench" / "out" / "set.yaml")
     local = work / ".dvc" / "config.local"
     if not local.exists():  # hash tens of GB with every core (DVC's default is 4 threads)
@@ -384,7 +385,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path.home() / "run")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup")
-    s.add_argument("--profile", default="gpu")
+    s.add_argument("--profile", default="gpu", help="profiles/<name>.yaml, or default: params.yaml unchanged")
     s.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value, after the profile")
     r = sub.add_parser("run")
     r.add_argument("--budget", type=float, default=540)

@@ -97,7 +97,7 @@ SCHEMA = {
         "dtype": DTYPE,
         "revision": _int(0),
         "device": DEVICE,
-        "batch_tokens": POS,
+        "batch_tokens": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "devices": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "work_dir": _str,

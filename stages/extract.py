@@ -23,9 +23,10 @@ from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.extraction.backends import make_backend
 from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.extraction.plan import batch_tokens_for
 from eaglenest.extraction.wall_clock import add_fixed_cost
 from eaglenest.taps import resolve_taps
-from eaglenest.target import check_fingerprint, load_target
+from eaglenest.target import check_fingerprint, load_target, pick_device
 
 from . import _params
 from . import _paths as paths
@@ -67,7 +68,7 @@ def main(argv=None) -> None:
             validate_cfg=va,
             out_dir=paths.hidden(args.part),
             work_root=Path(ex["work_dir"]),
-            batch_tokens=int(ex["batch_tokens"]),
+            batch_tokens=batch_tokens_for(ex["batch_tokens"], pick_device(devices[0])),
             max_seq_len=int(params["tokenize"]["max_seq_len"]),
             progress=not args.no_progress,
             writers=ex["writers"] if ex["writers"] != "auto" else None,

@@ -396,6 +396,16 @@ def test_windows_batch_across_pieces_with_less_padding():
     assert len(plan_windows(narrow, lengths, 4096)) >= len(narrow) / 2
 
 
+def test_batch_tokens_auto_resolves_by_device_kind_and_rejects_junk():
+    from eaglenest.extraction.plan import AUTO_BATCH_TOKENS, batch_tokens_for
+
+    assert batch_tokens_for("auto", "cuda:1") == AUTO_BATCH_TOKENS["cuda"] > batch_tokens_for("auto", "cpu")
+    assert batch_tokens_for(777, "cuda") == 777
+    for bad in (0, -5, True, "16k", 4096.0):
+        with pytest.raises(EaglenestError, match="extract.batch_tokens"):
+            batch_tokens_for(bad, "cpu")
+
+
 def test_extract_devices_resolve_to_one_worker_per_device():
     from eaglenest.extraction.devices import devices_for
 

@@ -60,6 +60,20 @@ def length_batches(samples, lengths, batch_tokens: int) -> list[list[int]]:
 
 
 WINDOW_BATCHES = 8  # a window holds >= this many batches' worth of samples
+# extract.batch_tokens: auto. On the H200 (8B shape, 600k-token parts) 16,384 beat 4,096 on both a
+# cold and a warm part (steady MFU 0.33 / 0.45 vs 0.29 / 0.39): a 4k batch's host launch (~85 ms)
+# leaves the GPU idle ~40 % of the time. On a CPU the forward is the cost and 4,096 keeps the window's
+# buffers small. bench/RESULTS.md, "extract stage ... third run".
+AUTO_BATCH_TOKENS = {"cuda": 16384, "cpu": 4096}
+
+
+def batch_tokens_for(value: int | str, device: str) -> int:
+    """extract.batch_tokens for a resolved device: an integer as given, auto by device kind."""
+    if value == "auto":
+        return AUTO_BATCH_TOKENS["cuda" if str(device).startswith("cuda") else "cpu"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EaglenestError(f"extract.batch_tokens must be auto or an integer >= 1, got {value!r}")
+    return value
 
 
 def plan_windows(pieces: list[Piece], lengths: list[int], batch_tokens: int) -> list[list[Piece]]:
