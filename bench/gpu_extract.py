@@ -20,8 +20,8 @@ Disk: a part's store takes ~4 states x hidden x 2 bytes per token (32 KiB for th
 2.6M tokens, before zstd), so each part's store is deleted once measured (the last one kept for the
 gate), and the run refuses to start a part that cannot fit on the disk. Resumable: finished parts
 are kept in --workdir (partial.json); with --budget, no part starts that the budget cannot finish, and
-the same command continues it. Runs on the CPU too (--device cpu --layers 2 --tokens 20000) to check
-the harness, not for figures."""
+the same command continues it. Runs on the CPU too, to check the harness, not for figures:
+--device cpu --layers 3 --tokens 6000 -S 'extract.taps=[0,1,2]' (auto taps need 8+ layers)."""
 
 import argparse
 import json
@@ -163,9 +163,10 @@ def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
     from eaglenest.target import load_target
 
     target = load_target(ws / "data" / "target")
-    taps = resolve_taps("auto", target.num_layers)
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    taps = resolve_taps(params["extract"]["taps"], target.num_layers)  # the stage's own (-S may set them)
     store = HiddenStore(ws / "data" / "hidden" / part)
-    validate = yaml.safe_load((ws / "params.yaml").read_text())["validate"]
+    validate = params["validate"]
     out = {}
     for n in samples:
         t = time.time()
