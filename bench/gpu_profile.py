@@ -12,6 +12,10 @@
     python -m bench.gpu_profile exp NAME [-S section.key=yaml ...] [--budget 540]
         one ablation: `dvc exp run -n NAME -S ...` from the committed profile, its metrics appended to
         bench/out/gpu_experiments.json (and to the report's "experiments").
+    python -m bench.gpu_profile enqueue NAME [-S section.key=yaml ...]   (then)   queue [--jobs 4] [--budget 540]
+        ablations side by side: each queued as a DVC experiment, then run by DVC's queue workers at once
+        (`dvc queue start -j`), each recorded like `exp`'s when it is done; the same `queue` command
+        waits again if the budget ends first.
     python -m bench.gpu_profile report [--out DIR]
         gathers the stage times and metrics into gpu_profile.json (bench/results/ format).
 
@@ -253,10 +257,15 @@ def experiment(work: Path, name: str, sets: list[str], budget: float) -> None:
         print(f"stopped experiment {name} at the budget; run the same command again to finish it")
         rc = None
     times = add_time(work, f"exp:{name}", time.time() - t)
-    if rc is None:
-        return restore(work, saved)
+    if rc is not None:
+        record_exp(work, name, sets, rc, times[f"exp:{name}"])
+    restore(work, saved)
+
+
+def record_exp(work: Path, name: str, sets: list[str], rc: int, wall_s: float | None) -> None:
+    """The workspace's metrics (an experiment's, run or applied) as a row of gpu_experiments.json."""
     m = work / "metrics"
-    row = {"name": name, "set": sets, "exit": rc, "wall_s": times[f"exp:{name}"]}
+    row = {"name": name, "set": sets, "exit": rc, "wall_s": wall_s}
     for rel in ("evaluate.json", "train.json", "pack.json"):
         if (m / rel).exists():
             row[rel.removesuffix(".json")] = json.loads((m / rel).read_text())
@@ -265,10 +274,63 @@ def experiment(work: Path, name: str, sets: list[str], budget: float) -> None:
     path.write_text(json.dumps(rows + [row], indent=1))
     ev = row.get("evaluate", {})
     print(
-        f"== experiment {name} (exit {rc}, {row['wall_s']} s): tau {ev.get('tau')}, "
-        f"val tau {row.get('train', {}).get('val_simulated_tau')}"
+        f"== experiment {name} (exit {rc}, {wall_s} s): tau {ev.get('tau')}, "
+        f"val tau {row.get('train', {}).get('val_simulated_tau')}",
+        flush=True,
     )
-    restore(work, saved)
+
+
+QUEUED = "bench/out/gpu_queue.json"
+
+
+def enqueue(work: Path, name: str, sets: list[str]) -> None:
+    """`dvc exp run --queue -n NAME -S ...` from the committed profile; `queue` runs them."""
+    sh(["git", "checkout", "HEAD", "--", "params.yaml"], work)
+    sh(["dvc", "exp", "run", "--queue", "-n", name, *[a for s in sets for a in ("-S", s)]], work)
+    update_json(work, QUEUED, name, sets)
+    print(f"queued {name}: {' '.join(sets)}")
+
+
+def queue_status(work: Path) -> dict[str, str]:
+    """{experiment name: Queued | Running | Success | Failed} from `dvc queue status`."""
+    out = subprocess.run(["dvc", "queue", "status"], cwd=work, text=True, capture_output=True, check=True).stdout
+    states = ("Queued", "Running", "Success", "Failed")  # rows: Task Name Created Status
+    return {f[1]: f[-1] for f in (line.split() for line in out.splitlines()) if len(f) >= 4 and f[-1] in states}
+
+
+def run_queue(work: Path, jobs: int, budget: float) -> None:
+    """The queued experiments side by side (`dvc queue start -j JOBS`: DVC's own workers, each in a
+    temporary clone whose data are links into the cache; on a GPU small drafters leave it mostly idle,
+    so several train at once), polled until none is left or the budget is spent (then the workers go
+    on, and the same command waits again). Each finished one is applied (`dvc exp apply`), its metrics
+    recorded like `exp`'s, and the profile's workspace put back."""
+    t0 = time.time()
+    queued = json.loads((work / QUEUED).read_text()) if (work / QUEUED).exists() else {}
+    state = queue_status(work)
+    if any(v == "Queued" for v in state.values()) and not any(v == "Running" for v in state.values()):
+        sh(["dvc", "queue", "start", "-j", str(jobs)], work)
+    while any(v in ("Queued", "Running") for v in state.values()) and time.time() - t0 < budget:
+        time.sleep(15)
+        state = queue_status(work)
+    add_time(work, "exp:queue", time.time() - t0)  # the side-by-side runs' wall clock, summed over calls
+    print(json.dumps(state, indent=1), f"after {time.time() - t0:.0f} s", flush=True)
+    done = json.loads((work / EXPS).read_text()) if (work / EXPS).exists() else []
+    recorded = {r["name"] for r in done}
+    saved = work / "bench" / "out" / "baseline"
+    shutil.rmtree(saved, ignore_errors=True)
+    shutil.copytree(work / "metrics", saved / "metrics")
+    for name, st in state.items():
+        if name not in queued or name in recorded or st not in ("Success", "Failed"):
+            continue
+        if st == "Failed":  # DVC keeps no results of a failed queued run (the quality gate's exit
+            # too): its log is the record; `exp NAME` in the workspace keeps the metrics of a failure
+            log = subprocess.run(["dvc", "queue", "logs", name], cwd=work, text=True, capture_output=True).stdout
+            print(f"== experiment {name} failed:\n{log[-3000:]}")
+            update_json(work, "bench/out/gpu_queue_failed.json", name, log[-6000:])
+            continue
+        sh(["dvc", "exp", "apply", name], work)
+        record_exp(work, name, queued[name], 0, None)
+        restore(work, saved)
 
 
 def restore(work: Path, saved: Path) -> None:
@@ -395,6 +457,12 @@ def main() -> None:
     e.add_argument("name")
     e.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value (dvc exp run -S)")
     e.add_argument("--budget", type=float, default=540)
+    q = sub.add_parser("enqueue", help="queue an ablation (dvc exp run --queue) for `queue`")
+    q.add_argument("name")
+    q.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value (dvc exp run -S)")
+    r2 = sub.add_parser("queue", help="run the queued ablations side by side (dvc queue start -j JOBS)")
+    r2.add_argument("--jobs", type=int, default=4)
+    r2.add_argument("--budget", type=float, default=540)
     o = sub.add_parser("report")
     o.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     a = ap.parse_args()
@@ -404,6 +472,10 @@ def main() -> None:
         run(a.workdir, a.budget, a.min_left, a.until)
     elif a.cmd == "exp":
         experiment(a.workdir, a.name, a.sets, a.budget)
+    elif a.cmd == "enqueue":
+        enqueue(a.workdir, a.name, a.sets)
+    elif a.cmd == "queue":
+        run_queue(a.workdir, a.jobs, a.budget)
     else:
         report(a.workdir, a.out)
 
