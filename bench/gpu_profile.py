@@ -245,9 +245,7 @@ def experiment(work: Path, name: str, sets: list[str], budget: float) -> None:
     the run cache), then its metrics appended to bench/out/gpu_experiments.json. Stopped at the
     budget, it resumes (training from its checkpoint) when called again with the same arguments."""
     sh(["git", "checkout", "HEAD", "--", "params.yaml"], work)  # every experiment starts from the profile
-    saved = work / "bench" / "out" / "baseline"  # the profile's own lock and metrics, put back afterwards
-    shutil.rmtree(saved, ignore_errors=True)
-    shutil.copytree(work / "metrics", saved / "metrics")
+    saved = save_baseline(work)
     t = time.time()
     cmd = ["dvc", "exp", "run", "-n", name, *[a for s in sets for a in ("-S", s)]]
     try:
@@ -316,9 +314,7 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
     print(json.dumps(state, indent=1), f"after {time.time() - t0:.0f} s", flush=True)
     done = json.loads((work / EXPS).read_text()) if (work / EXPS).exists() else []
     recorded = {r["name"] for r in done}
-    saved = work / "bench" / "out" / "baseline"
-    shutil.rmtree(saved, ignore_errors=True)
-    shutil.copytree(work / "metrics", saved / "metrics")
+    saved = save_baseline(work)
     for name, st in state.items():
         if name not in queued or name in recorded or st not in ("Success", "Failed"):
             continue
@@ -331,6 +327,14 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
         sh(["dvc", "exp", "apply", name], work)
         record_exp(work, name, queued[name], 0, None)
         restore(work, saved)
+
+
+def save_baseline(work: Path) -> Path:
+    """A copy of the profile's own metrics, which `restore` puts back after an experiment."""
+    saved = work / "bench" / "out" / "baseline"
+    shutil.rmtree(saved, ignore_errors=True)
+    shutil.copytree(work / "metrics", saved / "metrics")
+    return saved
 
 
 def restore(work: Path, saved: Path) -> None:
