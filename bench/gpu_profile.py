@@ -282,7 +282,12 @@ QUEUED = "bench/out/gpu_queue.json"
 
 
 def enqueue(work: Path, name: str, sets: list[str]) -> None:
-    """`dvc exp run --queue -n NAME -S ...` from the committed profile; `queue` runs them."""
+    """`dvc exp run --queue -n NAME -S ...` from the committed profile; `queue` runs them. A name
+    queued before is left as it is (a script of ablations can be called again to go on)."""
+    queued = json.loads((work / QUEUED).read_text()) if (work / QUEUED).exists() else {}
+    if name in queued:
+        print(f"{name}: queued before ({' '.join(queued[name])})")
+        return
     sh(["git", "checkout", "HEAD", "--", "params.yaml"], work)
     sh(["dvc", "exp", "run", "--queue", "-n", name, *[a for s in sets for a in ("-S", s)]], work)
     update_json(work, QUEUED, name, sets)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The drafter-quality ablations on one lent GPU machine, in calls of at most 10 minutes
+# (bench/RESULTS.md, "ablations"). A base run at 4,000 conversations -- the GPU profile's recipe at
+# TTT 3 x 5 epochs on two parts, the first 1,000 and the next 3,000 conversations -- then one DVC
+# experiment per ablation, queued and run side by side by DVC's own queue (bench.gpu_profile
+# enqueue / queue). The whole data's point (TTT 3 x 5, all 17,333 conversations) is the fourth run's.
+#
+#   bench/gpu_ablations.sh SECONDS      (what is left of this call; needs bench.gpu_carry install first)
+#
+# Safe to call again: setup keeps the work repo, finished stages are skipped, queued experiments are
+# not queued twice, and `queue` waits for the ones still running. Results: report -> $OUT/ablations.
+set -euo pipefail
+W=${WORKDIR:-$HOME/abl}
+OUTDIR=${OUT:-bench/out}/ablations
+G=(python3 -m bench.gpu_profile --workdir "$W")
+end=$((SECONDS + ${1:-560}))
+left() { echo $((end - SECONDS)); }
+
+"${G[@]}" setup -S train.epochs=5 -S evaluate.speed_questions=1 -S evaluate.min_tau=null \
+  -S 'data.parts=[sharegpt-k1, sharegpt-k3]' \
+  -S 'data.sharegpt={sharegpt-k1: {start: 0, count: 1000, turns: 2}, sharegpt-k3: {start: 1000, count: 3000, turns: 2}}'
+"${G[@]}" run --budget "$(left)" --min-left 20 | tee /tmp/ablation_base.log
+# experiments start from the committed base: none is queued before every base stage is done
+grep -q "all stages done" /tmp/ablation_base.log || { echo "base not finished; call again"; exit 0; }
+
+"${G[@]}" enqueue k1 -S 'data.parts=[sharegpt-k1]'           # data size: 1,000 conversations
+"${G[@]}" enqueue offpolicy -S generate.enabled=false          # ShareGPT's own answers, not the target's
+"${G[@]}" enqueue vocab8k -S pack.draft_vocab_size=8192
+"${G[@]}" enqueue vocab32k -S pack.draft_vocab_size=32768
+"${G[@]}" enqueue bf16 -S store.states=bf16                   # bf16 states (the profile stores fp8)
+# DVC's queue workers may not outlive a call: start them only with the time for most of the work
+[ "$(left)" -gt 300 ] || { echo "queued; call again to run them"; exit 0; }
+"${G[@]}" queue --jobs 5 --budget $(($(left) - 40))
+
+mkdir -p "$OUTDIR"
+"${G[@]}" report --out "$OUTDIR" >/dev/null
+(cd "$W" && dvc exp show --md --no-pager -A --only-changed >"$OUTDIR/exp_show.md" 2>&1 || true)
+cp "$W"/bench/out/gpu_queue*.json "$W"/bench/out/gpu_experiments.json "$OUTDIR/" 2>/dev/null || true
+echo "ablations: results in $OUTDIR"
