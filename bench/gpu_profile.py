@@ -285,7 +285,7 @@ def enqueue(work: Path, name: str, sets: list[str]) -> None:
     """`dvc exp run --queue -n NAME -S ...` from the committed profile; `queue` runs them. A name
     queued before is left as it is (a script of ablations can be called again to go on)."""
     queued = json.loads((work / QUEUED).read_text()) if (work / QUEUED).exists() else {}
-    if name in queued:
+    if queued.get(name) is not None:
         print(f"{name}: queued before ({' '.join(queued[name])})")
         return
     sh(["git", "checkout", "HEAD", "--", "params.yaml"], work)
@@ -321,13 +321,16 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
     recorded = {r["name"] for r in done}
     saved = save_baseline(work)
     for name, st in state.items():
-        if name not in queued or name in recorded or st not in ("Success", "Failed"):
+        if queued.get(name) is None or name in recorded or st not in ("Success", "Failed"):
             continue
         if st == "Failed":  # DVC keeps no results of a failed queued run (the quality gate's exit
             # too): its log is the record; `exp NAME` in the workspace keeps the metrics of a failure
             log = subprocess.run(["dvc", "queue", "logs", name], cwd=work, text=True, capture_output=True).stdout
             print(f"== experiment {name} failed:\n{log[-3000:]}")
             update_json(work, "bench/out/gpu_queue_failed.json", name, log[-6000:])
+            # forgotten by the queue and by `enqueue`: the next `enqueue NAME` queues it again
+            subprocess.run(["dvc", "queue", "remove", name], cwd=work, text=True, capture_output=True)
+            update_json(work, QUEUED, name, None)
             continue
         sh(["dvc", "exp", "apply", name], work)
         record_exp(work, name, queued[name], 0, None)

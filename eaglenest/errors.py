@@ -48,5 +48,21 @@ def exit_on_error(fn):
         except OSError as e:
             log.error("%s", describe_os_error(e))
             sys.exit(2)
+        finally:
+            log_gpu_peak()
 
     return wrapper
+
+
+def log_gpu_peak() -> None:
+    """A command that used the GPU logs its peak memory as it ends (also on an out-of-memory
+    error): what stages run side by side on one GPU (DVC's queue workers) must share. Never
+    imports torch itself: a command that did not is not on a GPU."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    log.info(
+        "peak GPU memory: %.2f GB reserved, %.2f GB allocated",
+        torch.cuda.max_memory_reserved() / 1e9,
+        torch.cuda.max_memory_allocated() / 1e9,
+    )
