@@ -5,7 +5,10 @@
 # experiment per ablation, queued and run side by side by DVC's own queue (bench.gpu_profile
 # enqueue / queue). The whole data's point (TTT 3 x 5, all 17,333 conversations) is the fourth run's.
 #
-#   bench/gpu_ablations.sh SECONDS      (what is left of this call; needs bench.gpu_carry install first)
+#   [JOBS=3] bench/gpu_ablations.sh SECONDS   (what is left of this call; needs bench.gpu_carry install first)
+#
+# JOBS experiments at once share the one GPU: at 5, an evaluate holding 117 GB of cached blocks left
+# two of them out of memory (bench/RESULTS.md); a failed one is queued again by the next call.
 #
 # Safe to call again: setup keeps the work repo, finished stages are skipped, queued experiments are
 # not queued twice, and `queue` waits for the ones still running. Results: report -> $OUT/ablations.
@@ -30,7 +33,7 @@ grep -q "all stages done" /tmp/ablation_base.log || { echo "base not finished; c
 "${G[@]}" enqueue bf16 -S store.states=bf16                   # bf16 states (the profile stores fp8)
 # DVC's queue workers may not outlive a call: start them only with the time for most of the work
 [ "$(left)" -gt 300 ] || { echo "queued; call again to run them"; exit 0; }
-"${G[@]}" queue --jobs 5 --budget $(($(left) - 40))
+"${G[@]}" queue --jobs "${JOBS:-3}" --budget $(($(left) - 40))
 
 mkdir -p "$OUTDIR"
 "${G[@]}" report --out "$OUTDIR" >/dev/null

@@ -15,6 +15,7 @@ learned from) never passes `dvc repro` quietly.
 
 import argparse
 import csv
+import os
 from pathlib import Path
 
 from eaglenest.atomic import write_json
@@ -32,6 +33,11 @@ def main(argv=None) -> None:
     ap.add_argument("--drafter", default=str(paths.DRAFTER))
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    # Batched decoding re-reads every row's features each step, so its tensors grow a little each
+    # step; the default CUDA allocator then keeps each outgrown block cached and can end up holding
+    # most of the GPU (harmless alone, fatal to stages beside it in DVC's queue). Growable segments
+    # avoid that; set before CUDA starts, a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     p = _params.load("evaluate")
     ks = [int(k) for k in (p["k"] if isinstance(p["k"], list) else [p["k"]])]
     if not ks or min(ks) < 1:
