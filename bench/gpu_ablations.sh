@@ -7,7 +7,8 @@
 #
 #   [JOBS=3] bench/gpu_ablations.sh SECONDS   (what is left of this call; needs bench.gpu_carry install first)
 #
-# JOBS experiments at once share the one GPU: at 5, an evaluate holding 117 GB of cached blocks left
+# JOBS experiments at once share the one GPU: at 5, one process holding 117 GB (most likely an
+# evaluate's cached blocks: stages/evaluate.py now grows its segments instead) left
 # two of them out of memory (bench/RESULTS.md); a failed one is queued again by the next call.
 #
 # Safe to call again: setup keeps the work repo, finished stages are skipped, queued experiments are
