@@ -5,7 +5,9 @@
 # experiment per ablation, queued and run side by side by DVC's own queue (bench.gpu_profile
 # enqueue / queue). The whole data's point (TTT 3 x 5, all 17,333 conversations) is the fourth run's.
 #
-#   [JOBS=3] bench/gpu_ablations.sh SECONDS   (what is left of this call; needs bench.gpu_carry install first)
+#   [JOBS=3] [ABLATIONS="vocab8k bf16"] bench/gpu_ablations.sh SECONDS
+#       SECONDS: what is left of this call (needs bench.gpu_carry install first); ABLATIONS: which
+#       of k1 offpolicy vocab8k vocab32k bf16 (default: all)
 #
 # JOBS experiments at once share the one GPU: at 5, one process holding 117 GB (most likely an
 # evaluate's cached blocks: stages/evaluate.py now grows its segments instead) left
@@ -27,11 +29,17 @@ left() { echo $((end - SECONDS)); }
 # experiments start from the committed base: none is queued before every base stage is done
 grep -q "all stages done" /tmp/ablation_base.log || { echo "base not finished; call again"; exit 0; }
 
-"${G[@]}" enqueue k1 -S 'data.parts=[sharegpt-k1]'           # data size: 1,000 conversations
-"${G[@]}" enqueue offpolicy -S generate.enabled=false          # ShareGPT's own answers, not the target's
-"${G[@]}" enqueue vocab8k -S pack.draft_vocab_size=8192
-"${G[@]}" enqueue vocab32k -S pack.draft_vocab_size=32768
-"${G[@]}" enqueue bf16 -S store.states=bf16                   # bf16 states (the profile stores fp8)
+declare -A SETS=(
+  [k1]='data.parts=[sharegpt-k1]'         # data size: 1,000 conversations
+  [offpolicy]='generate.enabled=false'    # ShareGPT's own answers, not the target's
+  [vocab8k]='pack.draft_vocab_size=8192'
+  [vocab32k]='pack.draft_vocab_size=32768'
+  [bf16]='store.states=bf16'              # bf16 states (the profile stores fp8)
+)
+for name in ${ABLATIONS:-k1 offpolicy vocab8k vocab32k bf16}; do
+  [ -n "${SETS[$name]:-}" ] || { echo "unknown ablation $name (known: ${!SETS[*]})"; exit 2; }
+  "${G[@]}" enqueue "$name" -S "${SETS[$name]}"
+done
 # DVC's queue workers may not outlive a call: start them only with the time for most of the work
 [ "$(left)" -gt 300 ] || { echo "queued; call again to run them"; exit 0; }
 "${G[@]}" queue --jobs "${JOBS:-3}" --budget $(($(left) - 40))
