@@ -61,8 +61,8 @@ def log_gpu_peak() -> None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return
-    log.info(
-        "peak GPU memory: %.2f GB reserved, %.2f GB allocated",
-        torch.cuda.max_memory_reserved() / 1e9,
-        torch.cuda.max_memory_allocated() / 1e9,
-    )
+    try:
+        reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    except Exception:  # a broken CUDA context: the error that broke it is the one to see
+        return
+    log.info("peak GPU memory: %.2f GB reserved, %.2f GB allocated", reserved / 1e9, allocated / 1e9)
