@@ -14,10 +14,10 @@
 # two of them out of memory (bench/RESULTS.md); a failed one is queued again by the next call.
 #
 # Safe to call again: setup keeps the work repo, finished stages are skipped, queued experiments are
-# not queued twice, and `queue` waits for the ones still running. Results: report -> $OUT/ablations.
+# not queued twice, and `queue` waits for the ones still running. Results: $OUT/ablations.tar.gz.
 set -euo pipefail
 W=${WORKDIR:-$HOME/abl}
-OUTDIR=${OUT:-bench/out}/ablations
+OUTDIR=$HOME/ablation_results   # tarred into ${OUT:-bench/out}/ablations.tar.gz: a device call returns at most 8 files
 G=(python3 -m bench.gpu_profile --workdir "$W")
 end=$((SECONDS + ${1:-560}))
 left() { echo $((end - SECONDS)); }
@@ -48,4 +48,7 @@ mkdir -p "$OUTDIR"
 "${G[@]}" report --out "$OUTDIR" >/dev/null
 (cd "$W" && dvc exp show --md --no-pager -A --only-changed >"$OUTDIR/exp_show.md" 2>&1 || true)
 cp "$W"/bench/out/gpu_queue*.json "$W"/bench/out/gpu_experiments.json "$OUTDIR/" 2>/dev/null || true
-echo "ablations: results in $OUTDIR"
+rm -rf "$OUTDIR/drafter"   # the base's drafter (~45 MB): not needed to compare runs
+mkdir -p "${OUT:-bench/out}"
+tar czf "${OUT:-bench/out}/ablations.tar.gz" -C "$OUTDIR" .
+echo "ablations: results in ${OUT:-bench/out}/ablations.tar.gz"
