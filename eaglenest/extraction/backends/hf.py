@@ -16,6 +16,12 @@ from eaglenest.versions import CAPTURE_VERSIONS
 log = logging.getLogger(__name__)
 
 
+# decoders whose forward is exactly: embed, rotary, each layer, norm (no embedding scale, no
+# sliding-window masks), so running the layers in the backend's own loop gives the same states
+OWN_LOOP = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+COMPILE = (True, False, "auto", "decoder")
+
+
 class HFBackend:
     """`compile`: "auto" (on CUDA), true or false — each decoder layer compiled on its own (its
     graphs serve every layer and length). Fuses what eager runs as separate memory-bound kernels:
@@ -25,6 +31,12 @@ class HFBackend:
     trace; per layer that break only splits it in three graphs (input norm | attention | the rest).
     Dynamo specialises a batch of 1, so the first batch compiles both families (`warm_up`): a part's
     occasional one-sample batch (a piece's remainder) never recompiles in the middle of the part.
+
+    `compile: decoder` (opt-in, not yet measured on a GPU): the backend runs the decoder stack itself
+    -- embeddings, each layer, the final norm, keeping the residual stream that enters each tap layer,
+    as `output_hidden_states` does -- without those hooks, so the whole stack compiles as one graph:
+    one compiled call a batch instead of three per layer, where the H200 spent ~85 ms of host time a
+    batch (bench/RESULTS.md). Plain Llama-family decoders (`OWN_LOOP`) with SDPA's causal kernel only.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
@@ -40,11 +52,13 @@ class HFBackend:
         states: str = "bf16",
     ):
         self.device = pick_device(device)
-        if compile not in (True, False, "auto"):
-            raise EaglenestError(f"extract.hf.compile must be auto, true or false, got {compile!r}")
-        self.compile = self.device.startswith("cuda") if compile == "auto" else compile
+        if compile not in COMPILE:
+            raise EaglenestError(f"extract.hf.compile must be auto, true, false or decoder, got {compile!r}")
+        self.whole = compile == "decoder"
+        self.compile = self.device.startswith("cuda") if compile == "auto" else bool(compile)
         self.target, self.taps, self.dtype, self.attn = target, list(taps), dtype, attn
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
+        self.forward = None  # ids -> (aux, final): transformers' forward, or the own loop compiled
         self.pad_id = 0
         self.copy_stream = None
         self.states = state_format.check(states)
@@ -61,7 +75,18 @@ class HFBackend:
         model = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
-        if self.compile:
+        self.forward = self._hf_forward
+        if self.whole:
+            name = type(self.decoder).__name__
+            if name not in OWN_LOOP or self.attn != "sdpa":
+                raise EaglenestError(
+                    f"extract.hf.compile: decoder runs {', '.join(OWN_LOOP)} with sdpa attention; this target is "
+                    f"{name} with {self.attn} (use true: each layer compiled)"
+                )
+            self._stack = torch.compile(self._stack, dynamic=True)
+            self.forward = self._own_forward
+            log.info("hf backend: the whole %d-layer decoder compiled as one graph", len(self.decoder.layers))
+        elif self.compile:
             layers = [m for m in self.decoder.modules() if type(m).__name__.endswith("DecoderLayer")]
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
@@ -75,6 +100,34 @@ class HFBackend:
             self.states,
             self.timings["load_s"],
         )
+
+    def _hf_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [B, T, A, H], final [B, T, H]) in the model's dtype, through transformers' own forward."""
+        out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
+        # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
+        return torch.stack([out.hidden_states[j] for j in self.taps], dim=2), out.last_hidden_state
+
+    def _own_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same states from the backend's own loop over the layers (`compile: decoder`). No
+        attention mask, as in `_hf_forward`: SDPA's causal kernel; right padding keeps positions 0.."""
+        aux, final = self._stack(ids, tuple(j in self.taps for j in range(len(self.decoder.layers))))
+        order = [sorted(self.taps).index(j) for j in self.taps]  # _stack keeps layer order
+        return (aux if order == sorted(order) else aux[:, :, order]), final
+
+    def _stack(self, ids: torch.Tensor, keep: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `compile: decoder` compiles: layer ints stay out of it (dynamic=True would make them
+        symbolic), `keep` marks the tap layers with constant booleans."""
+        dec = self.decoder
+        h = dec.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1], device=ids.device)[None]
+        rope = dec.rotary_emb(h, pos)
+        kept = []
+        for layer, k in zip(dec.layers, keep):
+            if k:
+                kept.append(h)
+            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, use_cache=False)
+            h = out[0] if isinstance(out, tuple) else out  # a tuple in older transformers
+        return torch.stack(kept, dim=2), dec.norm(h)
 
     def describe(self) -> dict:
         import transformers
@@ -110,7 +163,7 @@ class HFBackend:
         copies of it if it has one. Costs one extra forward, once."""
         t = time.perf_counter()
         other = ids[:1] if len(ids) > 1 else ids.repeat(2, 1)
-        self.decoder(input_ids=other, output_hidden_states=True, use_cache=False)
+        self.forward(other)
         self.warm = True
         self.timings["warm_up_s"] = round(time.perf_counter() - t, 2)
         log.info(
@@ -144,10 +197,8 @@ class HFBackend:
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         if not self.warm:
             self.warm_up(ids)
-        out = self.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
-        # hidden_states[j] enters layer j; last_hidden_state is after the final norm (lm_head input).
-        aux = torch.stack([out.hidden_states[j] for j in self.taps], dim=2).to(torch.bfloat16)
-        final = out.last_hidden_state.to(torch.bfloat16)
+        aux, final = self.forward(ids)
+        aux, final = aux.to(torch.bfloat16), final.to(torch.bfloat16)
         names, tensors = ("aux", "final"), [aux, final]
         if self.states != "bf16":  # stored arrays, quantized where they were computed
             stored = state_format.encode(aux, final, self.states)
