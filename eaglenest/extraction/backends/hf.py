@@ -83,7 +83,8 @@ class HFBackend:
                     f"extract.hf.compile: decoder runs {', '.join(OWN_LOOP)} with sdpa attention; this target is "
                     f"{name} with {self.attn} (use true: each layer compiled)"
                 )
-            self._stack = torch.compile(self._stack, dynamic=True)
+            # from the class: a second load (after close) must not wrap the compiled one again
+            self._stack = torch.compile(type(self)._stack.__get__(self), dynamic=True)
             self.forward = self._own_forward
             log.info("hf backend: the whole %d-layer decoder compiled as one graph", len(self.decoder.layers))
         elif self.compile:
