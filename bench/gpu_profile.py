@@ -177,10 +177,16 @@ def stream(cmd: list[str], work: Path, log_name: str, deadline: float) -> tuple[
     return p.returncode, lines
 
 
+def read_json(work: Path, rel: str, default=None):
+    """A small JSON record under the work repo (bench/out), or `default` where there is none yet."""
+    path = work / rel
+    return json.loads(path.read_text()) if path.exists() else default
+
+
 def update_json(work: Path, rel: str, key: str, value) -> dict:
     """One key of a small JSON record under the work repo (bench/out), read, set and written back."""
     path = work / rel
-    rows = json.loads(path.read_text()) if path.exists() else {}
+    rows = read_json(work, rel, {})
     rows[key] = value(rows.get(key)) if callable(value) else value
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=1))
@@ -268,7 +274,7 @@ def record_exp(work: Path, name: str, sets: list[str], rc: int, wall_s: float | 
         if (m / rel).exists():
             row[rel.removesuffix(".json")] = json.loads((m / rel).read_text())
     path = work / EXPS
-    rows = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["name"] != name]
+    rows = [r for r in read_json(work, EXPS, []) if r["name"] != name]
     path.write_text(json.dumps(rows + [row], indent=1))
     ev = row.get("evaluate", {})
     print(
@@ -284,7 +290,7 @@ QUEUED = "bench/out/gpu_queue.json"
 def enqueue(work: Path, name: str, sets: list[str]) -> None:
     """`dvc exp run --queue -n NAME -S ...` from the committed profile; `queue` runs them. A name
     queued before is left as it is (a script of ablations can be called again to go on)."""
-    queued = json.loads((work / QUEUED).read_text()) if (work / QUEUED).exists() else {}
+    queued = read_json(work, QUEUED, {})
     if queued.get(name) is not None:
         print(f"{name}: queued before ({' '.join(queued[name])})")
         return
@@ -308,7 +314,7 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
     on, and the same command waits again). Each finished one is applied (`dvc exp apply`), its metrics
     recorded like `exp`'s, and the profile's workspace put back."""
     t0 = time.time()
-    queued = json.loads((work / QUEUED).read_text()) if (work / QUEUED).exists() else {}
+    queued = read_json(work, QUEUED, {})
     state = queue_status(work)
     if any(v == "Queued" for v in state.values()) and not any(v == "Running" for v in state.values()):
         sh(["dvc", "queue", "start", "-j", str(jobs)], work)
@@ -317,7 +323,7 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
         state = queue_status(work)
     add_time(work, "exp:queue", time.time() - t0)  # the side-by-side runs' wall clock, summed over calls
     print(json.dumps(state, indent=1), f"after {time.time() - t0:.0f} s", flush=True)
-    done = json.loads((work / EXPS).read_text()) if (work / EXPS).exists() else []
+    done = read_json(work, EXPS, [])
     recorded = {r["name"] for r in done}
     saved = save_baseline(work)
     for name, st in state.items():
@@ -385,7 +391,7 @@ def report(work: Path, out: Path) -> None:
         "specforge_tau_ratio": None,
         "wall_s": {"total": round(sum(times.values()), 1), **by_kind},
         "wall_s_per_stage": times,
-        "disk_after_stage": json.loads((work / DISK).read_text()) if (work / DISK).exists() else None,
+        "disk_after_stage": read_json(work, DISK),
         "conversations": sum(c.get("conversations", 0) for c in cut),
         "samples": sum(g.get("conversations_kept", g.get("conversations", 0)) for g in gen.values()),
         "generate": {

@@ -8,6 +8,7 @@ questions at once (`batched_speculative`) and times batch-1 decoding on the firs
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -57,6 +58,21 @@ def acceptance(accepted: list[int], k: int) -> dict:
     }
 
 
+def growable_gpu_segments() -> None:
+    """Batched decoding re-reads every row's features each step, so its tensors grow a little each
+    step; the default CUDA allocator keeps each outgrown block cached and can end up holding most
+    of the GPU (harmless alone, fatal to stages beside it in DVC's queue). Growable segments avoid
+    that. Set through the allocator's API before the first allocation: torch reads its environment
+    variable at import, and renamed it (PYTORCH_ALLOC_CONF); a user's own setting of either wins."""
+    if os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
+    )
+    if set_settings is not None:
+        set_settings("expandable_segments:True")
+
+
 def evaluate(
     target: Target,
     drafter_dir: Path,
@@ -70,6 +86,8 @@ def evaluate(
     progress: bool = True,
 ) -> tuple[dict, list[dict]]:
     device = pick_device(device)
+    if device.startswith("cuda"):
+        growable_gpu_segments()  # before the first allocation
     tok = load_tokenizer(target)
     model = load_model(target, dtype=dtype, device=device)
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=getattr(torch, dtype)).to(device).eval()

@@ -15,7 +15,6 @@ learned from) never passes `dvc repro` quietly.
 
 import argparse
 import csv
-import os
 from pathlib import Path
 
 from eaglenest.atomic import write_json
@@ -27,32 +26,12 @@ from . import _params
 from . import _paths as paths
 
 
-def growable_gpu_segments() -> None:
-    """Batched decoding re-reads every row's features each step, so its tensors grow a little each
-    step; the default CUDA allocator keeps each outgrown block cached and can end up holding most
-    of the GPU (harmless alone, fatal to stages beside it in DVC's queue). Growable segments avoid
-    that. Set through the allocator's API before the first allocation: torch reads its environment
-    variable at import, and renamed it (PYTORCH_ALLOC_CONF); a user's own setting of either wins."""
-    if os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
-        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
-    )
-    if set_settings is not None:
-        set_settings("expandable_segments:True")
-
-
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", default=str(paths.DRAFTER))
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    growable_gpu_segments()
     p = _params.load("evaluate")
     ks = [int(k) for k in (p["k"] if isinstance(p["k"], list) else [p["k"]])]
     if not ks or min(ks) < 1:

@@ -76,6 +76,11 @@ class HFBackend:
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
         self.forward = self._hf_forward
+        # the own loop's tap layout: constant booleans (dynamic=True would make layer ints symbolic),
+        # and the taps' order from the layer order it keeps them in (None: already in that order)
+        self._keep = tuple(j in self.taps for j in range(len(self.decoder.layers)))
+        order = [sorted(self.taps).index(j) for j in self.taps]
+        self._order = None if order == sorted(order) else order
         if self.whole:
             name = type(self.decoder).__name__
             if name not in OWN_LOOP or self.attn != "sdpa":
@@ -111,14 +116,12 @@ class HFBackend:
     def _own_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same states from the backend's own loop over the layers (`compile: decoder`). No
         attention mask, as in `_hf_forward`: SDPA's causal kernel; right padding keeps positions 0.."""
-        aux, final = self._stack(ids, tuple(j in self.taps for j in range(len(self.decoder.layers))))
-        order = [sorted(self.taps).index(j) for j in self.taps]  # _stack keeps layer order
-        return (aux if order == sorted(order) else aux[:, :, order]), final
+        aux, final = self._stack(ids)
+        return (aux if self._order is None else aux[:, :, self._order]), final
 
-    def _stack(self, ids: torch.Tensor, keep: tuple[bool, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `compile: decoder` compiles: layer ints stay out of it (dynamic=True would make them
-        symbolic), `keep` marks the tap layers with constant booleans."""
-        dec = self.decoder
+    def _stack(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `compile: decoder` compiles: the tap layers' inputs in layer order, and the final state."""
+        dec, keep = self.decoder, self._keep
         h = dec.embed_tokens(ids)
         pos = torch.arange(ids.shape[1], device=ids.device)[None]
         rope = dec.rotary_emb(h, pos)
