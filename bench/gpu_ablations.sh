@@ -10,7 +10,7 @@
 #       of k1 offpolicy vocab8k vocab32k bf16 (default: all)
 #
 # JOBS experiments at once share the one GPU: at 5, one process holding 117 GB (most likely an
-# evaluate's cached blocks: stages/evaluate.py now grows its segments instead) left
+# evaluate's cached blocks: eaglenest/evaluate.py now grows its segments instead) left
 # two of them out of memory (bench/RESULTS.md); a failed one is queued again by the next call.
 #
 # Safe to call again: setup keeps the work repo, finished stages are skipped, queued experiments are
