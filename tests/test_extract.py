@@ -77,11 +77,14 @@ def test_compiled_backend_equals_eager(tiny_target):
     assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
 
 
-def test_compiled_whole_decoder_equals_transformers_forward(tiny_target):
-    """`extract.hf.compile: decoder`: the backend's own loop over the layers gives exactly what
-    transformers' forward with output_hidden_states gives (eager, bit for bit), and compiled it is
-    one graph per batch family for the whole stack (not three per layer), within float reordering;
-    a decoder or attention it cannot run that way is refused by name."""
+@pytest.mark.parametrize("mode", ["layers", "decoder"])
+def test_own_loop_equals_transformers_forward_compiled_as_few_graphs(tiny_target, mode):
+    """`extract.hf.compile: layers | decoder`: the backend's own loop over the layers gives exactly
+    what transformers' forward with output_hidden_states gives (eager, bit for bit). Compiled, it is
+    one graph per batch family -- for each layer (`layers`: every layer runs the same graph) or for
+    the whole stack (`decoder`) -- where transformers' capture hooks split each layer in three; the
+    states agree within float reordering. A decoder or attention the own loop cannot run: `decoder`
+    refuses it by name, `layers` falls back to each layer compiled inside transformers' forward."""
     from torch._dynamo.utils import counters
 
     taps = resolve_taps("auto", tiny_target.num_layers)
@@ -91,19 +94,25 @@ def test_compiled_whole_decoder_equals_transformers_forward(tiny_target):
     with torch.inference_mode():
         for x, y in zip(eager._hf_forward(ids.long()), eager._own_forward(ids.long())):
             assert torch.equal(x, y)
-    whole = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile="decoder")
+    own = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=mode)
     counters.clear()
     for seqs in (
         random_samples(3, tiny_target.vocab_size, 3, 40, seed=4),
         random_samples(1, tiny_target.vocab_size, 50, 70, seed=5),
         random_samples(5, tiny_target.vocab_size, 7, 90, seed=6),
     ):
-        for (a, f), (a1, f1) in zip(eager.extract(seqs), whole.extract(seqs)):
+        for (a, f), (a1, f1) in zip(eager.extract(seqs), own.extract(seqs)):
             cos, rel = token_stats(torch.cat([a.flatten(0, 1), f]).float(), torch.cat([a1.flatten(0, 1), f1]).float())
             assert cos.min() >= 0.99999 and rel.max() <= 2**-7, (cos.min(), rel.max())
+    assert own.forward == own._own_forward
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # batch > 1 and batch 1
-    with pytest.raises(EaglenestError, match="decoder runs LlamaModel.*with eager"):
-        HFBackend(tiny_target, taps, device="cpu", compile="decoder", attn="eager").load()
+    if mode == "decoder":
+        with pytest.raises(EaglenestError, match="decoder runs LlamaModel.*with eager"):
+            HFBackend(tiny_target, taps, device="cpu", compile="decoder", attn="eager").load()
+    else:
+        fallback = HFBackend(tiny_target, taps, device="cpu", compile="layers", attn="eager")
+        fallback.load()
+        assert fallback.forward == fallback._hf_forward
 
 
 def test_tap_ids_out_of_range():

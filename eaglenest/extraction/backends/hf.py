@@ -19,24 +19,25 @@ log = logging.getLogger(__name__)
 # decoders whose forward is exactly: embed, rotary, each layer, norm (no embedding scale, no
 # sliding-window masks), so running the layers in the backend's own loop gives the same states
 OWN_LOOP = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
-COMPILE = (True, False, "auto", "decoder")
+COMPILE = (True, False, "auto", "layers", "decoder")
 
 
 class HFBackend:
-    """`compile`: "auto" (on CUDA), true or false — each decoder layer compiled on its own (its
-    graphs serve every layer and length). Fuses what eager runs as separate memory-bound kernels:
-    RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half and the residual adds (29 %
-    of an 8B forward's GPU time eager; compiled, the H200 forward went 0.61 -> 0.75 MFU). Not the
-    whole decoder: transformers' hidden-state capture hooks read a ContextVar that dynamo cannot
-    trace; per layer that break only splits it in three graphs (input norm | attention | the rest).
+    """`compile`: torch.compile over the decoder layers (auto: `layers` on CUDA, off on the CPU).
+    Fuses what eager runs as separate memory-bound kernels: RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU
+    x up, RoPE's rotate-half and the residual adds (29 % of an 8B forward's GPU time eager; compiled,
+    the H200 forward went 0.61 -> 0.75 MFU). Each layer's graph serves every layer and length.
+    - true: each layer compiled inside transformers' forward, whose hidden-state capture hooks read a
+      ContextVar that dynamo cannot trace: three graphs a layer (input norm | attention | the rest).
+    - layers: the backend runs the decoder stack itself -- embeddings, each layer, the final norm,
+      keeping the residual stream that enters each tap layer, as `output_hidden_states` does -- so
+      each layer is one compiled call (a third of the host time a batch spends in `true`; ~85 ms a
+      batch on the H200, bench/RESULTS.md). Plain Llama-family decoders (`OWN_LOOP`) with SDPA's
+      causal kernel; others run as `true`.
+    - decoder (opt-in): that loop compiled whole, one call a batch; its cold compile is the whole
+      stack's (minutes for 30 layers on the CPU), not one layer's.
     Dynamo specialises a batch of 1, so the first batch compiles both families (`warm_up`): a part's
     occasional one-sample batch (a piece's remainder) never recompiles in the middle of the part.
-
-    `compile: decoder` (opt-in, not yet measured on a GPU): the backend runs the decoder stack itself
-    -- embeddings, each layer, the final norm, keeping the residual stream that enters each tap layer,
-    as `output_hidden_states` does -- without those hooks, so the whole stack compiles as one graph:
-    one compiled call a batch instead of three per layer, where the H200 spent ~85 ms of host time a
-    batch (bench/RESULTS.md). Plain Llama-family decoders (`OWN_LOOP`) with SDPA's causal kernel only.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
@@ -53,9 +54,11 @@ class HFBackend:
     ):
         self.device = pick_device(device)
         if compile not in COMPILE:
-            raise EaglenestError(f"extract.hf.compile must be auto, true, false or decoder, got {compile!r}")
-        self.whole = compile == "decoder"
-        self.compile = self.device.startswith("cuda") if compile == "auto" else bool(compile)
+            raise EaglenestError(f"extract.hf.compile must be auto, true, false, layers or decoder, got {compile!r}")
+        if compile == "auto":
+            compile = "layers" if self.device.startswith("cuda") else False
+        self.mode = compile
+        self.compile = compile is not False
         self.target, self.taps, self.dtype, self.attn = target, list(taps), dtype, attn
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
         self.forward = None  # ids -> (aux, final): transformers' forward, or the own loop compiled
@@ -81,22 +84,27 @@ class HFBackend:
         self._keep = tuple(j in self.taps for j in range(len(self.decoder.layers)))
         order = [sorted(self.taps).index(j) for j in self.taps]
         self._order = None if order == sorted(order) else order
-        if self.whole:
-            name = type(self.decoder).__name__
-            if name not in OWN_LOOP or self.attn != "sdpa":
-                raise EaglenestError(
-                    f"extract.hf.compile: decoder runs {', '.join(OWN_LOOP)} with sdpa attention; this target is "
-                    f"{name} with {self.attn} (use true: each layer compiled)"
-                )
+        own = self.mode in ("layers", "decoder") and type(self.decoder).__name__ in OWN_LOOP and self.attn == "sdpa"
+        if self.mode == "decoder" and not own:
+            raise EaglenestError(
+                f"extract.hf.compile: decoder runs {', '.join(OWN_LOOP)} with sdpa attention; this target is "
+                f"{type(self.decoder).__name__} with {self.attn} (use true: each layer compiled)"
+            )
+        if own:
+            self.forward = self._own_forward
+        if self.mode == "decoder":
             # from the class: a second load (after close) must not wrap the compiled one again
             self._stack = torch.compile(type(self)._stack.__get__(self), dynamic=True)
-            self.forward = self._own_forward
             log.info("hf backend: the whole %d-layer decoder compiled as one graph", len(self.decoder.layers))
         elif self.compile:
             layers = [m for m in self.decoder.modules() if type(m).__name__.endswith("DecoderLayer")]
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
-            log.info("hf backend: %d decoder layers compiled (the first batches compile them)", len(layers))
+            log.info(
+                "hf backend: %d decoder layers compiled, run by %s (the first batches compile them)",
+                len(layers),
+                "the backend's own loop" if own else "transformers' forward",
+            )
         self.timings["load_s"] = round(time.perf_counter() - t, 2)
         log.info(
             "hf backend: %s on %s, taps %s, states stored as %s; loaded in %.1f s",
@@ -114,13 +122,14 @@ class HFBackend:
         return torch.stack([out.hidden_states[j] for j in self.taps], dim=2), out.last_hidden_state
 
     def _own_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same states from the backend's own loop over the layers (`compile: decoder`). No
+        """The same states from the backend's own loop over the layers (`compile: layers | decoder`). No
         attention mask, as in `_hf_forward`: SDPA's causal kernel; right padding keeps positions 0.."""
         aux, final = self._stack(ids)
         return (aux if self._order is None else aux[:, :, self._order]), final
 
     def _stack(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `compile: decoder` compiles: the tap layers' inputs in layer order, and the final state."""
+        """The own loop (what `compile: decoder` compiles whole): the tap layers' inputs in layer order,
+        and the final state."""
         dec, keep = self.decoder, self._keep
         h = dec.embed_tokens(ids)
         pos = torch.arange(ids.shape[1], device=ids.device)[None]
