@@ -101,9 +101,7 @@ SCHEMA = {
         "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "devices": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "work_dir": _str,
-        "hf": {
-            "compile": _either(_one_of("auto", "layers", "decoder"), _bool, what="auto, true, false, layers or decoder")
-        },
+        "hf": {"compile": _either(_one_of("auto", "layers"), _bool, what="auto, true, false or layers")},
         "sglang": {
             "server_url": _either(_null, _str, _list(_str), what="null, a URL or a list of URLs"),
             "python": _str,

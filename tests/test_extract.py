@@ -77,14 +77,13 @@ def test_compiled_backend_equals_eager(tiny_target):
     assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
 
 
-@pytest.mark.parametrize("mode", ["layers", "decoder"])
-def test_own_loop_equals_transformers_forward_compiled_as_few_graphs(tiny_target, mode):
-    """`extract.hf.compile: layers | decoder`: the backend's own loop over the layers gives exactly
-    what transformers' forward with output_hidden_states gives (eager, bit for bit). Compiled, it is
-    one graph per batch family -- for each layer (`layers`: every layer runs the same graph) or for
-    the whole stack (`decoder`) -- where transformers' capture hooks split each layer in three; the
-    states agree within float reordering. A decoder or attention the own loop cannot run: `decoder`
-    refuses it by name, `layers` falls back to each layer compiled inside transformers' forward."""
+def test_own_loop_equals_transformers_forward_one_graph_a_layer(tiny_target):
+    """`extract.hf.compile: layers` (the CUDA default): the backend's own loop over the layers gives
+    exactly what transformers' forward with output_hidden_states gives (eager, bit for bit).
+    Compiled, each layer is one graph per batch family, shared by every layer, where transformers'
+    capture hooks split each layer in three; the states agree within float reordering. A decoder
+    or attention the own loop cannot run falls back to each layer compiled inside transformers'
+    forward."""
     from torch._dynamo.utils import counters
 
     taps = resolve_taps("auto", tiny_target.num_layers)
@@ -94,7 +93,7 @@ def test_own_loop_equals_transformers_forward_compiled_as_few_graphs(tiny_target
     with torch.inference_mode():
         for x, y in zip(eager._hf_forward(ids.long()), eager._own_forward(ids.long())):
             assert torch.equal(x, y)
-    own = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=mode)
+    own = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile="layers")
     counters.clear()
     for seqs in (
         random_samples(3, tiny_target.vocab_size, 3, 40, seed=4),
@@ -106,13 +105,9 @@ def test_own_loop_equals_transformers_forward_compiled_as_few_graphs(tiny_target
             assert cos.min() >= 0.99999 and rel.max() <= 2**-7, (cos.min(), rel.max())
     assert own.forward == own._own_forward
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # batch > 1 and batch 1
-    if mode == "decoder":
-        with pytest.raises(EaglenestError, match="decoder runs LlamaModel.*with eager"):
-            HFBackend(tiny_target, taps, device="cpu", compile="decoder", attn="eager").load()
-    else:
-        fallback = HFBackend(tiny_target, taps, device="cpu", compile="layers", attn="eager")
-        fallback.load()
-        assert fallback.forward == fallback._hf_forward
+    fallback = HFBackend(tiny_target, taps, device="cpu", compile="layers", attn="eager")
+    fallback.load()
+    assert fallback.forward == fallback._hf_forward
 
 
 def test_tap_ids_out_of_range():

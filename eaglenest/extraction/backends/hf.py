@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # decoders whose forward is exactly: embed, rotary, each layer, norm (no embedding scale, no
 # sliding-window masks), so running the layers in the backend's own loop gives the same states
 OWN_LOOP = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
-COMPILE = (True, False, "auto", "layers", "decoder")
+COMPILE = (True, False, "auto", "layers")
 
 
 class HFBackend:
@@ -34,8 +34,8 @@ class HFBackend:
       each layer is one compiled call (a third of the host time a batch spends in `true`; ~85 ms a
       batch on the H200, bench/RESULTS.md). Plain Llama-family decoders (`OWN_LOOP`) with SDPA's
       causal kernel; others run as `true`.
-    - decoder (opt-in): that loop compiled whole, one call a batch; its cold compile is the whole
-      stack's (minutes for 30 layers on the CPU), not one layer's.
+    The loop compiled whole (one graph a batch) was measured and dropped: on the H200 its cold
+    compile took 67 s and its batches kept recompiling (forward loop at MFU 0.13; RESULTS.md).
     Dynamo specialises a batch of 1, so the first batch compiles both families (`warm_up`): a part's
     occasional one-sample batch (a piece's remainder) never recompiles in the middle of the part.
 
@@ -54,7 +54,7 @@ class HFBackend:
     ):
         self.device = pick_device(device)
         if compile not in COMPILE:
-            raise EaglenestError(f"extract.hf.compile must be auto, true, false, layers or decoder, got {compile!r}")
+            raise EaglenestError(f"extract.hf.compile must be auto, true, false or layers, got {compile!r}")
         if compile == "auto":
             compile = "layers" if self.device.startswith("cuda") else False
         self.mode = compile
@@ -79,24 +79,15 @@ class HFBackend:
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = model.get_decoder()
         self.forward = self._hf_forward
-        # the own loop's tap layout: constant booleans (dynamic=True would make layer ints symbolic),
-        # and the taps' order from the layer order it keeps them in (None: already in that order)
+        # the own loop's tap layout: which layers' inputs it keeps, and the taps' order from the layer
+        # order it keeps them in (None: already in that order)
         self._keep = tuple(j in self.taps for j in range(len(self.decoder.layers)))
         order = [sorted(self.taps).index(j) for j in self.taps]
         self._order = None if order == sorted(order) else order
-        own = self.mode in ("layers", "decoder") and type(self.decoder).__name__ in OWN_LOOP and self.attn == "sdpa"
-        if self.mode == "decoder" and not own:
-            raise EaglenestError(
-                f"extract.hf.compile: decoder runs {', '.join(OWN_LOOP)} with sdpa attention; this target is "
-                f"{type(self.decoder).__name__} with {self.attn} (use true: each layer compiled)"
-            )
+        own = self.mode == "layers" and type(self.decoder).__name__ in OWN_LOOP and self.attn == "sdpa"
         if own:
             self.forward = self._own_forward
-        if self.mode == "decoder":
-            # from the class: a second load (after close) must not wrap the compiled one again
-            self._stack = torch.compile(type(self)._stack.__get__(self), dynamic=True)
-            log.info("hf backend: the whole %d-layer decoder compiled as one graph", len(self.decoder.layers))
-        elif self.compile:
+        if self.compile:
             layers = [m for m in self.decoder.modules() if type(m).__name__.endswith("DecoderLayer")]
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
@@ -122,25 +113,21 @@ class HFBackend:
         return torch.stack([out.hidden_states[j] for j in self.taps], dim=2), out.last_hidden_state
 
     def _own_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same states from the backend's own loop over the layers (`compile: layers | decoder`). No
-        attention mask, as in `_hf_forward`: SDPA's causal kernel; right padding keeps positions 0.."""
-        aux, final = self._stack(ids)
-        return (aux if self._order is None else aux[:, :, self._order]), final
-
-    def _stack(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The own loop (what `compile: decoder` compiles whole): the tap layers' inputs in layer order,
-        and the final state."""
-        dec, keep = self.decoder, self._keep
+        """The same states from the backend's own loop over the layers (`compile: layers`): the tap
+        layers' inputs and the final norm's output. No attention mask, as in `_hf_forward`: SDPA's
+        causal kernel; right padding keeps positions 0.."""
+        dec = self.decoder
         h = dec.embed_tokens(ids)
         pos = torch.arange(ids.shape[1], device=ids.device)[None]
         rope = dec.rotary_emb(h, pos)
         kept = []
-        for layer, k in zip(dec.layers, keep):
+        for layer, k in zip(dec.layers, self._keep):
             if k:
                 kept.append(h)
             out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, use_cache=False)
             h = out[0] if isinstance(out, tuple) else out  # a tuple in older transformers
-        return torch.stack(kept, dim=2), dec.norm(h)
+        aux = torch.stack(kept, dim=2)
+        return (aux if self._order is None else aux[:, :, self._order]), dec.norm(h)
 
     def describe(self) -> dict:
         import transformers
