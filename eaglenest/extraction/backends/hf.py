@@ -36,8 +36,11 @@ class HFBackend:
       causal kernel; others run as `true`.
     The loop compiled whole (one graph a batch) was measured and dropped: on the H200 its cold
     compile took 67 s and its batches kept recompiling (forward loop at MFU 0.13; RESULTS.md).
-    Dynamo specialises a batch of 1, so the first batch compiles both families (`warm_up`): a part's
-    occasional one-sample batch (a piece's remainder) never recompiles in the middle of the part.
+    Dynamo specialises a size of 1, so compiled batches are never one row or one token long: a
+    part's occasional one-sample batch (a piece's remainder) gets a padding row, dropped after, and
+    runs the graphs every batch runs. One family of graphs, compiled once before the first batch
+    (`warm_up`, in the part's fixed cost); no second family for batch 1 (on the H200 that one took
+    14 s of a cold part's fixed cost).
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
@@ -158,16 +161,16 @@ class HFBackend:
         return *host, done
 
     def warm_up(self, ids: torch.Tensor) -> None:
-        """Compile the graphs of the other batch family now, at this batch's length (inductor
-        tunes its kernels for the sizes it first sees): one sample if the batch has several, two
-        copies of it if it has one. Costs one extra forward, once."""
+        """Compile the graphs now, on two rows of the first batch at its length (inductor tunes its
+        kernels for the sizes it first sees), so a part's fixed cost shows the compile and its
+        forward loop does not. Costs one two-row forward, once."""
         t = time.perf_counter()
-        other = ids[:1] if len(ids) > 1 else ids.repeat(2, 1)
+        other = ids[:2]
         self.forward(other)
         self.warm = True
         self.timings["warm_up_s"] = round(time.perf_counter() - t, 2)
         log.info(
-            "hf backend: warm-up forward at batch %d, length %d (compiles that batch family now, not mid-part): %.1f s",
+            "hf backend: warm-up forward at batch %d, length %d (compiles the graphs now, not mid-part): %.1f s",
             len(other),
             ids.shape[1],
             time.perf_counter() - t,
@@ -185,8 +188,10 @@ class HFBackend:
         if self.decoder is None:
             self.load()
         lengths = [len(x) for x in batch]
-        T = max(lengths)
-        ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
+        rows, T = len(batch), max(lengths)
+        if self.compile:  # never a size of 1, which dynamo would compile apart (class docstring)
+            rows, T = max(rows, 2), max(T, 2)
+        ids = torch.full((rows, T), self.pad_id, dtype=torch.long)
         for b, x in enumerate(batch):
             ids[b, : len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
         # No attention mask: with RIGHT padding the causal mask alone keeps every real token off the
