@@ -11,7 +11,8 @@
 #
 # JOBS experiments at once share the one GPU: at 5, one process holding 117 GB (most likely an
 # evaluate's cached blocks: eaglenest/evaluate.py now grows its segments instead) left
-# two of them out of memory (bench/RESULTS.md); a failed one is queued again by the next call.
+# two of them out of memory; since, 2 at once ran clean (bench/RESULTS.md, "Ablations, second
+# base"). A failed one is queued again by the next call.
 #
 # Safe to call again: setup keeps the work repo, finished stages are skipped, queued experiments are
 # not queued twice, and `queue` waits for the ones still running. Results: $OUT/ablations.tar.gz.
