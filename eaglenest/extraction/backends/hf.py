@@ -31,9 +31,9 @@ class HFBackend:
       ContextVar that dynamo cannot trace: three graphs a layer (input norm | attention | the rest).
     - layers: the backend runs the decoder stack itself -- embeddings, each layer, the final norm,
       keeping the residual stream that enters each tap layer, as `output_hidden_states` does -- so
-      each layer is one compiled call (a third of the host time a batch spends in `true`; ~85 ms a
-      batch on the H200, bench/RESULTS.md). Plain Llama-family decoders (`OWN_LOOP`) with SDPA's
-      causal kernel; others run as `true`.
+      each layer is one compiled call (a third less host time a batch than `true` on the CPU; the
+      H200 spent ~85 ms of host time a batch in `true`, bench/RESULTS.md). Plain Llama-family
+      decoders (`OWN_LOOP`) with SDPA's causal kernel; others run as `true`.
     The loop compiled whole (one graph a batch) was measured and dropped: on the H200 its cold
     compile took 67 s and its batches kept recompiling (forward loop at MFU 0.13; RESULTS.md).
     Dynamo specialises a size of 1, so compiled batches are never one row or one token long: a
@@ -95,7 +95,7 @@ class HFBackend:
             for m in layers:
                 m.compile(dynamic=True)  # one graph for every length and batch size
             log.info(
-                "hf backend: %d decoder layers compiled, run by %s (the first batches compile them)",
+                "hf backend: %d decoder layers compiled, run by %s (compiled before the first batch)",
                 len(layers),
                 "the backend's own loop" if own else "transformers' forward",
             )
