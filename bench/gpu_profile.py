@@ -4,11 +4,16 @@
         copy this checkout's code to a work repo outside it (--workdir, default ~/run: it survives
         between calls while the machine is warm, and its dvc.lock and DVC cache are the machine's
         own), apply the profile (and -S overrides) to its params.yaml, git-commit it.
-    python -m bench.gpu_profile run [--budget 540] [--until STAGE]
+    python -m bench.gpu_profile run [--budget 540] [--until STAGE] [--detach]
         `dvc repro --single-item` each stage in pipeline order, timing each; starts no stage once the
         budget is spent, and stops a stage still running at the budget (training resumes from its
         checkpoint next call). Prints what is left. --until pack: no stage after pack (e.g. to train
-        another model on the packed data: bench.specforge_train).
+        another model on the packed data: bench.specforge_train). --detach: the same in a process of
+        its own session, which outlives the device call that starts it (the machine stays while calls
+        follow back to back), so a run longer than one call is measured uncut: `--detach --budget 1700`.
+    python -m bench.gpu_profile wait [--budget 560]
+        follow a detached run's log; exit 0 once it has finished, 3 while it still runs at the budget
+        (call again), 1 if it ended unfinished. `wait --budget 560 && ... report` in each call.
     python -m bench.gpu_profile exp NAME [-S section.key=yaml ...] [--budget 540]
         one ablation: `dvc exp run -n NAME -S ...` from the committed profile, its metrics appended to
         bench/out/gpu_experiments.json (and to the report's "experiments").
@@ -243,6 +248,56 @@ def run(work: Path, budget: float, min_left: float, until: str | None = None) ->
     print(f"stages done through {until}" if until else "all stages done")
 
 
+RUN_LOG, RUN_PID = "bench/out/run.log", "bench/out/run.pid"
+
+
+def detach(work: Path, argv: list[str]) -> None:
+    """`run` (argv: its options) in a new process session, its output in bench/out/run.log."""
+    log = work / RUN_LOG
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "bench.gpu_profile", "--workdir", str(work), "run", *argv]
+    with open(log, "w") as f:
+        p = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    (work / RUN_PID).write_text(str(p.pid))
+    print(f"running in the background (pid {p.pid}, log {log}); follow it: python -m bench.gpu_profile wait")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def wait(work: Path, budget: float) -> None:
+    """Print a detached run's log as it grows until it ends (exit 0 when every stage asked for is
+    done, 1 otherwise) or the budget is spent (exit 3: it is still running)."""
+    log, pid = work / RUN_LOG, int((work / RUN_PID).read_text())
+    t0, shown = time.time(), 0
+    while True:
+        running = alive(pid)
+        text = log.read_text(errors="replace")
+        print(text[shown:], end="", flush=True)
+        shown = len(text)
+        if not running:
+            break
+        if time.time() - t0 > budget:
+            print(f"still running after {time.time() - t0:.0f} s (pid {pid}); call wait again", flush=True)
+            sys.exit(3)
+        time.sleep(5)
+    if "all stages done" not in text and "stages done through" not in text:
+        sys.exit("the background run ended unfinished (its log is above)")
+
+
 EXPS = "bench/out/gpu_experiments.json"
 
 
@@ -471,6 +526,9 @@ def main() -> None:
     r.add_argument("--budget", type=float, default=540)
     r.add_argument("--min-left", type=float, default=60, help="start no stage with less than this left")
     r.add_argument("--until", help="the last stage to run (its @parts included), e.g. pack")
+    r.add_argument("--detach", action="store_true", help="in the background, outliving this call; then `wait`")
+    w = sub.add_parser("wait", help="follow a `run --detach` until it ends or the budget is spent")
+    w.add_argument("--budget", type=float, default=560)
     e = sub.add_parser("exp", help="one ablation as a DVC experiment, from the committed profile")
     e.add_argument("name")
     e.add_argument("-S", dest="sets", action="append", default=[], help="section.key=yaml value (dvc exp run -S)")
@@ -486,8 +544,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "setup":
         setup(a.workdir, a.profile, a.sets)
+    elif a.cmd == "run" and a.detach:
+        detach(a.workdir, ["--budget", str(a.budget), "--min-left", str(a.min_left), *(["--until", a.until] if a.until else [])])
     elif a.cmd == "run":
         run(a.workdir, a.budget, a.min_left, a.until)
+    elif a.cmd == "wait":
+        wait(a.workdir, a.budget)
     elif a.cmd == "exp":
         experiment(a.workdir, a.name, a.sets, a.budget)
     elif a.cmd == "enqueue":
