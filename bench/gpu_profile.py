@@ -545,7 +545,8 @@ def main() -> None:
     if a.cmd == "setup":
         setup(a.workdir, a.profile, a.sets)
     elif a.cmd == "run" and a.detach:
-        detach(a.workdir, ["--budget", str(a.budget), "--min-left", str(a.min_left), *(["--until", a.until] if a.until else [])])
+        until = ["--until", a.until] if a.until else []
+        detach(a.workdir, ["--budget", str(a.budget), "--min-left", str(a.min_left), *until])
     elif a.cmd == "run":
         run(a.workdir, a.budget, a.min_left, a.until)
     elif a.cmd == "wait":

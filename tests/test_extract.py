@@ -84,7 +84,8 @@ def test_own_loop_equals_transformers_forward_one_graph_a_layer(tiny_target):
     """`extract.hf.compile: layers` (the CUDA default): the backend's own loop over the layers gives
     exactly what transformers' forward with output_hidden_states gives (eager, bit for bit).
     Compiled, each layer is one graph, shared by every layer and batch shape, where transformers'
-    capture hooks split each layer in three; the states agree within float reordering. A decoder
+    capture hooks split each layer in three; the states agree within float reordering. The graph
+    is compiled beside the load on a one-layer decoder and the real layers reuse it. A decoder
     or attention the own loop cannot run falls back to each layer compiled inside transformers'
     forward."""
     from torch._dynamo.utils import counters
@@ -97,7 +98,12 @@ def test_own_loop_equals_transformers_forward_one_graph_a_layer(tiny_target):
         for x, y in zip(eager._hf_forward(ids.long()), eager._own_forward(ids.long())):
             assert torch.equal(x, y)
     own = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile="layers")
+    # a length equal to the head (16) or hidden (64) size, or to the two rows, would share their
+    # symbol and specialise the graph to that length: the compile runs at the next free one
+    assert [own.warm_len(T) for T in (2, 15, 16, 64, 65)] == [3, 15, 17, 65, 65]
     counters.clear()
+    own.load(longest=16)  # the graphs compile on a one-layer decoder beside the load
+    assert own.timings["prewarm_s"] > 0 and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     for seqs in (
         random_samples(3, tiny_target.vocab_size, 3, 40, seed=4),
         random_samples(1, tiny_target.vocab_size, 50, 70, seed=5),
