@@ -147,12 +147,12 @@ class HFBackend:
         cfg = self._config()
         cfg.num_hidden_layers = 1
         try:  # ordinary tensors, as the loaded model's, also when `extract` loads in inference mode
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), torch.device(self.device):  # initialised where it runs
                 dummy = AutoModel.from_config(cfg, dtype=getattr(torch, self.dtype), attn_implementation=self.attn)
         except Exception as e:  # e.g. a remote-code model: compile at warm_up as before
             log.warning("hf backend: no one-layer decoder to compile beside the load (%s)", e)
             return None
-        dummy = dummy.to(self.device).eval().requires_grad_(False)  # as the loaded model's (load)
+        dummy = dummy.eval().requires_grad_(False)  # as the loaded model's (load)
         compile_layers(dummy)
         T = self.warm_len(length)
 
