@@ -41,7 +41,7 @@ class HFBackend:
     part's occasional one-sample batch (a piece's remainder) gets a padding row, dropped after, and
     runs the graphs every batch runs. One family of graphs, compiled once before the first batch;
     no second family for batch 1 (on the H200 that one took 14 s of a cold part's fixed cost).
-    The compile overlaps the model load (`_prewarm`): a one-layer decoder of the same config, built
+    The compile overlaps the model load (`_start_prewarm`): a one-layer decoder of the same config, built
     first, is compiled in a thread while the weights load; dynamo keys its graphs by code and
     guards, not by module, so the real layers reuse them (tested: no new graph) and `warm_up` is
     left a plain forward. A graph compiled with its length equal to the head or hidden size would be
