@@ -2,6 +2,7 @@
 alone: a real token never attends to padding, so a batch equals its samples run one by one (within
 dtype)."""
 
+import functools
 import logging
 import threading
 import time
@@ -126,10 +127,13 @@ class HFBackend:
         """T, or the next length that equals no other size the layers' inputs have (2 rows, the
         hidden size, the head size): dynamo would give both one symbol and specialise the graph to
         that length, so every other length would compile again."""
-        taken = {2, *_sizes(self._config())}
-        while T in taken:
+        while T in self._taken_lengths:
             T += 1
         return T
+
+    @functools.cached_property
+    def _taken_lengths(self) -> frozenset[int]:
+        return frozenset({2, *_sizes(self._config())})  # read once: `warm_len` runs per prewarm and part
 
     def _config(self):
         """The target's transformers config (a fresh copy: `_start_prewarm` edits it)."""
@@ -231,7 +235,7 @@ class HFBackend:
 
     def warm_up(self, ids: torch.Tensor) -> None:
         """Run the compiled graphs once before the first batch, on two of its rows (at `warm_len`), so
-        a part's fixed cost shows whatever compile is left (none after `_prewarm`: the graphs are
+        a part's fixed cost shows whatever compile is left (none after `_start_prewarm`: the graphs are
         already there) and its forward loop does not. Costs one two-row forward, once."""
         t = time.perf_counter()
         two = ids[:2]  # compiled batches have >= 2 rows (extract_async)
