@@ -144,8 +144,8 @@ def _extract_part(
     # the gate's float32 reference loads while the forward loop runs (validate.samples 0: no gate),
     # after an in-process backend's own model: one load at a time (`target.load_model`), the
     # backend's first, since the forward loop waits for it
-    if mine and getattr(backend, "loaded", True) is False:  # the hf backend: its graphs compile at this length
-        backend.load(longest=max(lengths))
+    if mine and getattr(backend, "loaded", True) is False:  # the hf backend
+        backend.load()
     loader = ReferenceLoader(target, taps, described.get("device", "cpu")) if gate_samples(validate_cfg) > 0 else None
     try:
         if world > 1 and len(open_windows) > 1:
