@@ -102,7 +102,7 @@ class HFBackend:
         if self.compile:
             layers = compile_layers(self.decoder)
             log.info(
-                "hf backend: %d decoder layers compiled (the graphs compile before the first batch), run by %s",
+                "hf backend: %d decoder layers to compile at the warm-up before the first batch, run by %s",
                 len(layers),
                 "the backend's own loop" if own else "transformers' forward",
             )
