@@ -160,6 +160,16 @@ def load_target(target_dir: Path) -> Target:
     )
 
 
+def model_config(target: Target) -> dict:
+    """The target's config.json."""
+    return json.loads((target.model_dir / "config.json").read_text())
+
+
+def head_dim(cfg: dict) -> int:
+    """Attention head size of a config.json (explicit, or hidden // heads as transformers derives it)."""
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
 def check_fingerprint(target: Target, cache_path: Path | None = None) -> None:
     """Recompute the fingerprint: a model changed in place after the target stage is an error.
     cache_path: a `DigestCache` file, so an unchanged file is not read again (stat-keyed)."""

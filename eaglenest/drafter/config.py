@@ -6,6 +6,7 @@ numbering, the target's depth, its rope parameters as given)."""
 from transformers import LlamaConfig
 
 from eaglenest.taps import default_taps
+from eaglenest.target import head_dim
 
 # keys of config.json that describe the format, not the model: rebuilt by `serving_dict`
 FORMAT_ONLY = ("architectures", "model_type", "rope_theta", "rope_scaling", "num_aux_hidden_states", "torch_dtype",
@@ -41,7 +42,7 @@ class DrafterConfig(LlamaConfig):
             intermediate_size=intermediate_size or cfg["intermediate_size"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim(cfg),
             rms_norm_eps=cfg["rms_norm_eps"],
             rope_parameters=dict(rope),
             max_position_embeddings=cfg["max_position_embeddings"],

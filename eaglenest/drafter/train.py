@@ -38,7 +38,7 @@ from eaglenest.drafter.train_config import TrainConfig, training_code_digest
 from eaglenest.drafter.ttt import ttt_loss
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import sha256_text
-from eaglenest.target import Target, load_heads
+from eaglenest.target import Target, load_heads, model_config
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Trainer:
             )
         vocab = load_vocab(packed)
         heads = load_heads(target)
-        tcfg = json.loads((target.model_dir / "config.json").read_text())
+        tcfg = model_config(target)
         dcfg = DrafterConfig.from_target(tcfg, int(man["draft_vocab_size"]), man["taps"], cfg.intermediate_size)
         torch.manual_seed(cfg.seed)
         model = Eagle3Drafter(dcfg)

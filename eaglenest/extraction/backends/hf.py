@@ -2,7 +2,6 @@
 alone: a real token never attends to padding, so a batch equals its samples run one by one (within
 dtype)."""
 
-import functools
 import logging
 import time
 
@@ -10,16 +9,9 @@ import numpy as np
 import torch
 
 from eaglenest.errors import EaglenestError
-from eaglenest.extraction.backends.hf_compile import (
-    compile_layers,
-    free_length,
-    load_config,
-    run_layers,
-    runs_own_loop,
-    taken_lengths,
-)
+from eaglenest.extraction.backends.hf_compile import compile_layers, compile_length, run_layers, runs_own_loop
 from eaglenest.store import states as state_format
-from eaglenest.target import Target, load_model, pick_device
+from eaglenest.target import Target, head_dim, load_model, model_config, pick_device
 from eaglenest.versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
@@ -117,12 +109,8 @@ class HFBackend:
         )
 
     def warm_len(self, T: int) -> int:
-        """T, or the next length a graph may be compiled at (`hf_compile.taken_lengths`)."""
-        return free_length(T, self._taken_lengths)
-
-    @functools.cached_property
-    def _taken_lengths(self) -> frozenset[int]:
-        return taken_lengths(load_config(self.target.model_dir))  # read once
+        """T, or the next length a graph may be compiled at (`hf_compile.compile_length`)."""
+        return compile_length(T, self.target.hidden_size, head_dim(model_config(self.target)))
 
     def _hf_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [B, T, A, H], final [B, T, H]) in the model's dtype, through transformers' own forward."""

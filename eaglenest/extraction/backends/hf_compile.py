@@ -35,23 +35,10 @@ def compile_layers(decoder) -> list:
     return layers
 
 
-def taken_lengths(cfg) -> frozenset[int]:
-    """Lengths a graph must not be compiled at: the 2 rows, the hidden and the head size. Dynamo gives
-    equal sizes one symbol and would specialise the graph to that length, so every other length
-    would compile again."""
-    hidden = int(cfg.hidden_size)
-    head = getattr(cfg, "head_dim", None) or hidden // int(cfg.num_attention_heads)
-    return frozenset({2, hidden, int(head)})
-
-
-def free_length(T: int, taken: frozenset[int]) -> int:
-    """T, or the next length not in `taken`."""
-    while T in taken:
+def compile_length(T: int, hidden: int, head: int) -> int:
+    """T, or the next length that is not 2 (the rows), the hidden or the head size: dynamo gives equal
+    sizes one symbol and would specialise the graph to that length, so every other length would
+    compile again."""
+    while T in (2, hidden, head):
         T += 1
     return T
-
-
-def load_config(model_dir):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)

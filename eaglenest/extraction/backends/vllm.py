@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from eaglenest.errors import EaglenestError
 from eaglenest.server_process import ServerProcess, free_port, installed_version, post_json
-from eaglenest.target import Target, load_heads
+from eaglenest.target import Target, load_heads, model_config
 from eaglenest.versions import CAPTURE_VERSIONS
 
 from . import SampleFailed
@@ -54,7 +54,7 @@ class VLLMBackend:
         if heads["final_norm"] is None:
             raise EaglenestError(f"{target.model_dir}: no final norm found; the vllm backend needs it for `final`")
         self.norm_w = heads["final_norm"].float()
-        cfg = json.loads((target.model_dir / "config.json").read_text())
+        cfg = model_config(target)
         self.eps = float(cfg.get("text_config", cfg).get("rms_norm_eps", 1e-6))
         self.server: ServerProcess | None = None
         self.pool: ThreadPoolExecutor | None = None
