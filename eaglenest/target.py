@@ -206,7 +206,8 @@ def pick_device(device: str) -> str:
     return device
 
 
-_LOADING = threading.Lock()  # transformers' loading patches global state: one load at a time per process
+LOADING = threading.Lock()  # transformers patches global state (the default dtype) while it builds a model: one
+# build at a time per process, never beside a compile (hf backend)
 
 
 def load_model(
@@ -214,7 +215,7 @@ def load_model(
 ):
     quiet_transformers()
     device = pick_device(device)
-    with _LOADING:
+    with LOADING:
         return _load(target, dtype, device, attn, trust_remote_code)
 
 

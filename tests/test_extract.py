@@ -117,6 +117,49 @@ def test_own_loop_equals_transformers_forward_one_graph_a_layer(tiny_target):
     assert fallback.forward == fallback._hf_forward
     assert torch.get_default_dtype() is torch.float32
     assert {p.dtype for p in fallback.decoder.parameters()} == {torch.bfloat16}
+    fallback.close()  # waits for its compile
+
+
+def test_own_weight_loader_equals_transformers_and_falls_back_where_files_differ(tiny_target, tmp_path, caplog):
+    """The hf backend fills the decoder straight from the safetensors: the very parameters (and
+    states) transformers' loader gives. Files that do not hold exactly the decoder's parameters in
+    its dtype go through transformers instead, saying why; a truncated file is an error naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_weights, plan_copy
+    from eaglenest.target import load_model
+
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    own = HFBackend(tiny_target, taps, device="cpu")  # bfloat16, as the files
+    with caplog.at_level("INFO"):
+        own.load()
+    assert "weights copied from the safetensors" in caplog.text
+    ref = load_model(tiny_target, dtype="bfloat16").get_decoder().state_dict()
+    got = own.decoder.state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        HFBackend(tiny_target, taps, dtype="float32", device="cpu").load()
+    assert "loading through transformers" in caplog.text and "BF16" in caplog.text
+
+    other = tmp_path / "model"
+    shutil.copytree(tiny_target.model_dir, other)
+    (f,) = other.glob("*.safetensors")
+    tensors = load_file(f)
+    save_file({**tensors, "model.extra.weight": torch.zeros(3)}, f, metadata={"format": "pt"})
+    decoder = build_decoder(other, "bfloat16", "cpu", "sdpa")
+    with pytest.raises(Unsupported, match="model.extra.weight"):
+        plan_copy(other, decoder)
+    save_file({k: v for k, v in tensors.items() if "layers.3." not in k}, f, metadata={"format": "pt"})
+    with pytest.raises(Unsupported, match="not in the files"):
+        plan_copy(other, decoder)
+    save_file(tensors, f, metadata={"format": "pt"})
+    copies = plan_copy(other, decoder)
+    os.truncate(f, f.stat().st_size - 100)
+    with pytest.raises(EaglenestError, match=f"{f.name}: short read"):
+        copy_weights(copies, "cpu")
 
 
 def test_tap_ids_out_of_range():
@@ -410,29 +453,41 @@ def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_t
     assert 0 < resumed["pieces_resumed"] < resumed["pieces"] and HiddenStore(tmp_path / "broken").index == a.index
 
 
-def test_windows_batch_across_pieces_with_less_padding():
-    """An 8B target's 128 MB piece holds ~4k tokens: batches planned per piece were capped there and
-    padded to their longest sample. Planned over windows of consecutive pieces (every piece in exactly
-    one window, in order), batches reach batch_tokens and hold samples of about one length."""
+def test_pieces_by_length_fill_one_after_another_in_batches_with_little_padding():
+    """An 8B target's 128 MB piece holds ~4k tokens. Pieces are packed from the samples longest first
+    and batched over windows of consecutive pieces (every piece in exactly one window, in order), so
+    batches reach batch_tokens, hold samples of about one length (little padding), and fill the
+    pieces one after another: at most one piece is ever part-filled, and pieces complete in order
+    (the writers work beside the loop instead of draining a window's pieces after it)."""
     from eaglenest.extraction.plan import WINDOW_BATCHES, length_batches, plan_pieces, plan_windows
 
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in rng.integers(128, 2049, size=2400)]  # the 8B bench's samples
     pieces = plan_pieces(lengths, 4096)
+    assert sorted(i for p in pieces for i in p.samples) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p.samples) <= 4096 for p in pieces)
+    assert all(p.offsets == tuple(np.cumsum([0] + [lengths[i] for i in p.samples])[:-1]) for p in pieces)
+    piece_of = {i: p.index for p in pieces for i in p.samples}
 
-    def padding(groups, bt):
-        batches = [b for g in groups for b in length_batches(g, lengths, bt)]
-        padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
-        return 1 - sum(lengths) / padded, max(sum(lengths[i] for i in b) for b in batches)
-
-    for bt in (4096, 65536):
+    for bt in (4096, 16384, 65536):
         windows = plan_windows(pieces, lengths, bt)
         assert [p for w in windows for p in w] == pieces
         assert all(sum(lengths[i] for p in w for i in p.samples) >= WINDOW_BATCHES * bt for w in windows[:-1])
-        per_piece, biggest_piece_batch = padding([p.samples for p in pieces], bt)
-        per_window, biggest_window_batch = padding([[i for p in w for i in p.samples] for w in windows], bt)
-        assert per_window < 0.12 and per_window < per_piece / 2, (bt, per_piece, per_window)
-        assert biggest_piece_batch <= 4096 and (bt == 4096 or biggest_window_batch > 8 * 4096)
+        batches = [b for w in windows for b in length_batches([i for p in w for i in p.samples], lengths, bt)]
+        padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        assert 1 - sum(lengths) / padded < 0.03, bt
+        assert max(sum(lengths[i] for i in b) for b in batches) > (bt // 2 if bt > 4096 else 3000)
+        left, open_, completed = {p.index: len(p.samples) for p in pieces}, set(), []
+        for b in batches:
+            for i in b:
+                k = piece_of[i]
+                left[k] -= 1
+                open_.add(k)
+                if left[k] == 0:
+                    open_.discard(k)
+                    completed.append(k)
+            assert len(open_) <= 1, bt
+        assert completed == sorted(completed) == [p.index for p in pieces]
     # a narrow target's piece (SmolLM2 bf16: ~29k tokens) fills most of a window at the CPU's 4096
     narrow = plan_pieces(lengths, 29 * 1024)
     assert len(plan_windows(narrow, lengths, 4096)) >= len(narrow) / 2

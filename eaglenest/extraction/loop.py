@@ -25,7 +25,7 @@ from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, 
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.gate import ReferenceLoader, run_gate
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
-from eaglenest.extraction.plan import plan_pieces, plan_windows, read_tokenized
+from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
@@ -101,7 +101,7 @@ def _extract_part(
     info = extractor_info(described, taps, dtype, revision)
     efp = extractor_fingerprint(info)
     input_sha = sha256_file(tokenized)
-    work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)))
+    work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)), PLAN)
     work = WorkDir(work_root, part, work_key)
     pieces = plan_pieces(lengths, layout.shard_tokens)
     windows = plan_windows(pieces, lengths, batch_tokens)

@@ -1,0 +1,110 @@
+"""Two pieces of an extract part's fixed cost, each in a fresh process: the target's load (transformers'
+`from_pretrained` against the hf backend's own loader, `hf_weights`) and the layers' cold compile,
+with inductor's own account of where the compile went (`torch._dynamo.utils.compile_times`), under
+-E settings (environment, e.g. TORCHINDUCTOR_COMPILE_THREADS=1). Run after `bench.gpu_extract` has
+built its target (or pass --model).
+
+    python -m bench.gpu_fixed_cost [--model ~/gpu_extract/model] [-E NAME=VALUE ...] [--out FILE]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICE = os.environ.get("FIXED_COST_DEVICE", "cuda")  # cpu: a check of the harness, not figures
+
+
+def load(model: Path, how: str) -> dict:
+    import torch
+
+    from eaglenest.extraction.backends.hf_weights import build_decoder, copy_weights, plan_copy
+    from eaglenest.target import load_model, materialize
+
+    t = time.perf_counter()
+    if how == "transformers":
+        target = materialize(str(model), Path(tempfile.mkdtemp()) / "target")
+        t = time.perf_counter()
+        load_model(target, dtype="bfloat16", device="cuda")
+        return {"load_s": round(time.perf_counter() - t, 2)}
+    decoder = build_decoder(model, "bfloat16", "cuda", "sdpa")
+    built = time.perf_counter() - t
+    n = copy_weights(plan_copy(model, decoder), "cuda")
+    torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    return {"load_s": round(s, 2), "build_s": round(built, 2), "GB_per_s": round(n / 1e9 / (s - built), 1)}
+
+
+def compile_layer(model: Path) -> dict:
+    """One decoder layer of the target's shape compiled as the backend compiles it, cold cache."""
+    import torch
+    from torch._dynamo.utils import compile_times
+    from transformers import AutoConfig, AutoModel
+
+    from eaglenest.extraction.backends.hf_compile import compile_layers, run_layers
+
+    t0 = time.perf_counter()
+    cfg = AutoConfig.from_pretrained(model)
+    cfg.num_hidden_layers = 1
+    with torch.device(DEVICE):
+        dec = AutoModel.from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
+    compile_layers(dec)
+    ids = torch.zeros((2, 65), dtype=torch.long, device=DEVICE)
+    built = time.perf_counter() - t0
+    t = time.perf_counter()
+    with torch.inference_mode():
+        run_layers(dec, ids, (True,))
+        DEVICE == "cuda" and torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    rows = [ln.split() for ln in compile_times(repr="str", aggregate=True).splitlines()]
+    phases = {r[0]: float(r[-1]) for r in rows if len(r) >= 2 and r[-1].replace(".", "", 1).isdigit()}
+    top = dict(sorted(phases.items(), key=lambda x: -x[1])[:16])  # nested phases: they overlap
+    return {"build_s": round(built, 2), "compile_s": round(first, 2), "phases": top}
+
+
+def child(args) -> None:
+    out = load(args.model, args.what) if args.what in ("transformers", "own") else compile_layer(args.model)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run(model: Path, what: str, env: dict) -> dict:
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()  # cold, as on a fresh machine
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_fixed_cost", "--child", what, "--model", str(model)],
+                       env=env, capture_output=True, text=True)  # fmt: skip
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        return {"error": p.stderr[-2000:]}
+    return {**json.loads(lines[-1][7:]), "process_s": round(time.time() - t, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=Path.home() / "gpu_extract" / "model")
+    ap.add_argument("-E", dest="envs", action="append", default=[], help="NAME=VALUE for the compile runs")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        a.what = a.child
+        return child(a)
+    res = {}
+    if DEVICE == "cuda":
+        res = {"load_transformers": run(a.model, "transformers", {}), "load_own": run(a.model, "own", {})}
+    res["compile_default"] = run(a.model, "compile", {})
+    for e in a.envs:
+        k, v = e.split("=", 1)
+        res[f"compile_{k}={v}"] = run(a.model, "compile", {k: v})
+    print(json.dumps(res, indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The hf backend's own weight loader: the decoder built by transformers from the target's config on
+the device, then its parameters filled straight from the safetensors files -- the file read into
+pinned buffers and copied to the GPU by DMA, several buffers in flight -- instead of transformers'
+loader (on the H200, 16 GB in 13 s through `from_pretrained`; bench/RESULTS.md). Only where the files
+hold exactly the decoder's parameters, in its dtype; anything else (another dtype, extra or missing
+tensors, no safetensors) is reported by `plan_copy` and the caller loads through transformers. The
+gate's reference is loaded by transformers, independently of this path, so a wrong mapping here
+fails the gate."""
+
+import json
+import logging
+import os
+import queue
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from eaglenest.errors import EaglenestError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+CHUNK = 256 << 20  # bytes read and copied at a time, per reader
+READERS = 4  # page-cache copies scale with threads; the DMA engines do not need more
+
+
+class Unsupported(Exception):
+    """The files do not hold exactly the decoder's parameters: load through transformers instead."""
+
+
+def build_decoder(model_dir: Path, dtype: str, device: str, attn: str):
+    """The target's decoder stack (no lm_head), allocated on `device` and left uninitialised: every
+    parameter is overwritten by `copy_weights`. Transformers sets torch's default dtype while it builds
+    a model, so this runs before any compile starts (`hf_compile`)."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.initialization import no_init_weights
+
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device(device), no_init_weights():
+        model = AutoModel.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)
+    return model.eval().requires_grad_(False)
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def plan_copy(model_dir: Path, decoder) -> list[tuple[Path, int, int, torch.Tensor]]:
+    """(file, byte offset, byte count, destination bytes) for every parameter of the decoder, in file
+    order; raises Unsupported unless the files hold each parameter once, in its shape and dtype
+    (a causal LM's `model.` prefix and its lm_head are allowed)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise Unsupported(f"no safetensors in {model_dir}")
+    want = decoder.state_dict(keep_vars=True)
+    copies, seen = [], set()
+    for path in files:
+        header, base = _header(path)
+        for name, meta in header.items():
+            if name == "__metadata__" or name.startswith("lm_head."):
+                continue
+            key = name.removeprefix("model.") if name.removeprefix("model.") in want else name
+            t = want.get(key)
+            if t is None or key in seen:
+                raise Unsupported(f"{path.name}: tensor {name} is not a parameter of the decoder, or twice")
+            if DTYPES.get(meta["dtype"]) != t.dtype or list(meta["shape"]) != list(t.shape) or not t.is_contiguous():
+                have = f"{meta['dtype']} {meta['shape']}"
+                raise Unsupported(f"{path.name}: {name} is {have}, the decoder's {t.dtype} {list(t.shape)}")
+            a, b = meta["data_offsets"]
+            seen.add(key)
+            copies.append((path, base + a, b - a, t.data.view(-1).view(torch.uint8)))
+    if missing := sorted(set(want) - seen):
+        raise Unsupported(f"{len(missing)} decoder parameters not in the files, e.g. {missing[0]}")
+    return sorted(copies, key=lambda c: (str(c[0]), c[1]))
+
+
+def copy_weights(copies, device: str) -> int:
+    """Fill the parameters from the files: `READERS` threads each read CHUNK-sized runs of the files
+    (os.preadv: one page-cache copy, no page faults) into a pinned buffer and copy them out on a CUDA
+    stream of their own; on the CPU straight into the parameters. Returns the bytes copied."""
+    cuda = device.startswith("cuda")
+    runs = []  # (file, offset, bytes, [(dst, dst offset, run offset, n)]) of at most CHUNK bytes
+    for path, off, n, dst in copies:
+        for s in range(0, n, CHUNK):
+            k = min(CHUNK, n - s)
+            if runs and runs[-1][0] == path and runs[-1][1] + runs[-1][2] == off + s and runs[-1][2] + k <= CHUNK:
+                runs[-1][3].append((dst, s, runs[-1][2], k))
+                runs[-1][2] += k
+            else:
+                runs.append([path, off + s, k, [(dst, s, 0, k)]])
+    fds = {p: os.open(p, os.O_RDONLY) for p in {r[0] for r in runs}}
+    slots = queue.Queue()  # (pinned buffer, stream, event of its last copies) per reader
+    if cuda:
+        for _ in range(READERS):
+            slots.put((torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True), torch.cuda.Stream(device), None))
+
+    def read(path, buf, off):
+        if os.preadv(fds[path], [memoryview(buf)], off) != len(buf):
+            raise EaglenestError(f"{path}: short read at byte {off}: the file is shorter than its header says")
+
+    def one(run):
+        path, off, n, parts = run
+        if not cuda:
+            for dst, d, r, k in parts:
+                read(path, dst[d : d + k].numpy(), off + r)
+            return n
+        buf, stream, done = slots.get()
+        try:
+            if done is not None:
+                done.synchronize()  # the buffer's previous copies have read it
+            read(path, buf[:n].numpy(), off)
+            with torch.cuda.stream(stream):
+                for dst, d, r, k in parts:
+                    dst[d : d + k].copy_(buf[r : r + k], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+        finally:
+            slots.put((buf, stream, done))
+        return n
+
+    try:
+        with ThreadPoolExecutor(READERS, thread_name_prefix="weights") as pool:
+            total = sum(pool.map(one, runs))
+        if cuda:
+            torch.cuda.synchronize(device)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return total
