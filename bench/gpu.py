@@ -169,7 +169,7 @@ def bench_extraction(res, args, peak, clocks):
         t = time.time()
         with torch.inference_mode():
             if not be.warm:
-                be.warm_up()  # the compile (started by load), as before a part's first batch
+                be.warm_up(ids)  # the compile, as before a part's first batch
             be.decoder(input_ids=ids, output_hidden_states=True, use_cache=False)  # compiles
         res[f"forward_{tag}_first_call_s"] = round(time.time() - t, 1)
         fwd_clocks = {}

@@ -40,6 +40,29 @@ def load(model: Path, how: str) -> dict:
     return {"load_s": round(s, 2), "build_s": round(built, 2), "GB_per_s": round(n / 1e9 / (s - built), 1)}
 
 
+def build(model: Path) -> dict:
+    """The decoder's build on the GPU (`hf_weights.build_decoder`) after CUDA's own start, profiled:
+    where the seconds before the weights' copy go."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from eaglenest.extraction.backends.hf_weights import build_decoder
+
+    t = time.perf_counter()
+    torch.empty(1, device="cuda")
+    cuda_s = time.perf_counter() - t
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(build_decoder, model, "bfloat16", "cuda", "sdpa")
+    built = time.perf_counter() - t
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    return {"cuda_init_s": round(cuda_s, 2), "build_s": round(built, 2), "profile": text.getvalue()[-6000:]}
+
+
 def compile_layer(model: Path) -> dict:
     """One decoder layer of the target's shape compiled as the backend compiles it, cold cache."""
     import torch
@@ -68,7 +91,10 @@ def compile_layer(model: Path) -> dict:
 
 
 def child(args) -> None:
-    out = load(args.model, args.what) if args.what in ("transformers", "own") else compile_layer(args.model)
+    if args.what in ("transformers", "own"):
+        out = load(args.model, args.what)
+    else:
+        out = build(args.model) if args.what == "build" else compile_layer(args.model)
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -94,6 +120,11 @@ def main() -> None:
     if a.child:
         a.what = a.child
         return child(a)
+    ap_only = os.environ.get("FIXED_COST_ONLY")  # e.g. build: that measurement alone
+    if ap_only:
+        res = {ap_only: run(a.model, ap_only, {})}
+        print(json.dumps(res, indent=1))
+        return a.out and a.out.write_text(json.dumps(res, indent=1) + "\n")
     res = {}
     if DEVICE == "cuda":
         res = {"load_transformers": run(a.model, "transformers", {}), "load_own": run(a.model, "own", {})}

@@ -207,7 +207,7 @@ def pick_device(device: str) -> str:
 
 
 LOADING = threading.Lock()  # transformers patches global state (the default dtype) while it builds a model: one
-# build at a time per process, never beside a compile (hf backend)
+# build at a time per process
 
 
 def load_model(

@@ -188,7 +188,8 @@ def _extract_part(
         rows = [r for m in work.committed().values() for r in m["samples"]]
         if len(rows) != len(seqs):
             raise EaglenestError(f"{part}: {len(rows)} samples committed, expected {len(seqs)}")
-        write_index(work.store, rows)
+        position = {name: i for i, name in enumerate(names)}
+        write_index(work.store, sorted(rows, key=lambda r: position[r["id"]]))  # the part's order, not the pieces
         store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
         t_gate = time.time()

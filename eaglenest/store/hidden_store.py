@@ -133,7 +133,7 @@ def sample_digest(arrays: dict[str, np.ndarray]) -> str:
 
 
 def write_index(path: Path, rows: list[dict]) -> None:
-    rows = sorted(rows, key=lambda r: r["start"])
+    """rows in the order the index lists them (the part's input order); `start` says where each lies."""
     table = pa.table({k: [r[k] for r in rows] for k in INDEX_SCHEMA.names}, schema=INDEX_SCHEMA)
     tmp = Path(path) / (INDEX + ".tmp")
     pq.write_table(table, tmp)

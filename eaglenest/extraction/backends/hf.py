@@ -3,7 +3,6 @@ alone: a real token never attends to padding, so a batch equals its samples run 
 dtype)."""
 
 import logging
-import threading
 import time
 
 import numpy as np
@@ -79,18 +78,20 @@ class HFBackend:
         return self.decoder is not None
 
     def load(self) -> None:
-        """Load the target; `extract` does it on first use. The decoder is built on the device, the
-        layers' compile starts in a thread (`_start_compile`), and the weights are copied in beside it
-        (`hf_weights`; through transformers' loader where the files do not suit it)."""
+        """Load the target; `extract` does it on first use: the decoder built on the device and its
+        weights copied in from the safetensors (`hf_weights`; through transformers' loader where the
+        files do not suit it). The layers compile at `warm_up`."""
         t = time.perf_counter()
-        copies = None
         try:
             with LOADING:  # transformers sets torch's default dtype while it builds a model
                 decoder = build_decoder(self.target.model_dir, self.dtype, self.device, self.attn)
             copies = plan_copy(self.target.model_dir, decoder)
         except Unsupported as e:
             log.info("hf backend: loading through transformers (%s)", e)
-            decoder = load_model(self.target, dtype=self.dtype, device=self.device, attn=self.attn).get_decoder()
+            decoder, copies = load_model(self.target, self.dtype, self.device, self.attn).get_decoder(), None
+        if copies is not None:
+            n = copy_weights(copies, self.device)
+            log.info("hf backend: %.1f GB of weights copied from the safetensors", n / 1e9)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = decoder.requires_grad_(False)  # no autograd state: one set of guards
         self.forward = self._hf_forward
@@ -105,14 +106,10 @@ class HFBackend:
         if self.compile:
             layers = compile_layers(self.decoder)
             log.info(
-                "hf backend: %d decoder layers compiling beside the weights' copy, run by %s",
+                "hf backend: %d decoder layers to compile at the warm-up before the first batch, run by %s",
                 len(layers),
                 "the backend's own loop" if own else "transformers' forward",
             )
-            self._start_compile()
-        if copies is not None:
-            n = copy_weights(copies, self.device)
-            log.info("hf backend: %.1f GB of weights copied from the safetensors", n / 1e9)
         self.timings["load_s"] = round(time.perf_counter() - t, 2)
         log.info(
             "hf backend: %s on %s, taps %s, states stored as %s; loaded in %.1f s",
@@ -122,30 +119,6 @@ class HFBackend:
             self.states,
             self.timings["load_s"],
         )
-
-    def _start_compile(self) -> None:
-        """Compile the layers' graphs in a thread, by one forward of two rows of padding: it traces
-        the parameters' shapes, not their values, so it runs while the weights are still being
-        copied in (its output is dropped). Dynamo restores torch's process-wide default dtype to the one
-        it saw when a compile began, and transformers sets it while it builds a model: the compile
-        holds `target.LOADING`, the lock every model build here takes, so no build (the gate's
-        reference, another backend) overlaps it."""
-        self._compiling = {"error": None}
-        T = self.warm_len(64)  # any length: the graphs are dynamic
-
-        def run():
-            t = time.perf_counter()
-            try:
-                with LOADING, torch.inference_mode():  # the mode the batches run in (extract_async): one set of guards
-                    self.forward(torch.full((2, T), self.pad_id, dtype=torch.long, device=self.device))
-                    if self.device != "cpu":
-                        torch.cuda.synchronize(self.device)
-            except BaseException as e:  # raised where the first batch waits for it
-                self._compiling["error"] = e
-            self.timings["compile_beside_load_s"] = round(time.perf_counter() - t, 2)
-
-        self._compiling["thread"] = threading.Thread(target=run, name="compile-layers", daemon=True)
-        self._compiling["thread"].start()
 
     def warm_len(self, T: int) -> int:
         """T, or the next length a graph may be compiled at (`hf_compile.compile_length`)."""
@@ -176,9 +149,6 @@ class HFBackend:
         }
 
     def close(self) -> None:
-        compiling = getattr(self, "_compiling", None)
-        if compiling is not None:  # never leave a compile running behind a closed backend
-            compiling["thread"].join()
         self.decoder = None
 
     def _to_host(self, *tensors):
@@ -196,20 +166,16 @@ class HFBackend:
             done.record()
         return *host, done
 
-    def warm_up(self) -> None:
-        """Wait for the compile (`_start_compile`) before the first batch: warm_up_s is the part of it
-        the copy of the weights did not hide, compile_s (overlapped) all of it."""
+    def warm_up(self, ids: torch.Tensor) -> None:
+        """Run the compiled graphs once before the first batch, on two of its rows (at `warm_len`), so
+        a part's fixed cost shows the compile and its forward loop does not. Costs one two-row forward, once."""
         t = time.perf_counter()
-        self._compiling["thread"].join()
-        self.timings["warm_up_s"] = round(time.perf_counter() - t, 2)
-        if self._compiling["error"] is not None:
-            raise self._compiling["error"]
+        two = ids[:2]  # compiled batches have >= 2 rows (extract_async)
+        T = self.warm_len(two.shape[1])
+        self.forward(torch.nn.functional.pad(two, (0, T - two.shape[1]), value=self.pad_id))
         self.warm = True
-        log.info(
-            "hf backend: layers compiled in %.1f s beside the load; the first batch waited %.1f s for them",
-            self.timings["compile_beside_load_s"],
-            self.timings["warm_up_s"],
-        )
+        self.timings["warm_up_s"] = round(time.perf_counter() - t, 2)
+        log.info("hf backend: warm-up forward at batch 2, length %d: %.1f s", T, time.perf_counter() - t)
 
     def extract(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.extract_async(batch)()
@@ -236,7 +202,7 @@ class HFBackend:
         if self.device != "cpu":  # from pageable memory the driver may wait for the running batch
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         if not self.warm:
-            self.warm_up()
+            self.warm_up(ids)
         aux, final = self.forward(ids)
         aux, final = aux.to(torch.bfloat16), final.to(torch.bfloat16)
         names, tensors = ("aux", "final"), [aux, final]

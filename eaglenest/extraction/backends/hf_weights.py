@@ -32,8 +32,8 @@ class Unsupported(Exception):
 
 def build_decoder(model_dir: Path, dtype: str, device: str, attn: str):
     """The target's decoder stack (no lm_head), allocated on `device` and left uninitialised: every
-    parameter is overwritten by `copy_weights`. Transformers sets torch's default dtype while it builds
-    a model, so this runs before any compile starts (`hf_compile`)."""
+    parameter is overwritten by `copy_weights`. The caller holds `target.LOADING` (transformers sets
+    torch's process-wide default dtype while it builds a model)."""
     from transformers import AutoConfig, AutoModel
     from transformers.initialization import no_init_weights
 
