@@ -206,8 +206,8 @@ def pick_device(device: str) -> str:
     return device
 
 
-LOADING = threading.Lock()  # transformers patches global state (the default dtype) while it builds a model: one
-# build at a time per process
+# transformers patches global state (torch's default dtype) while it builds a model: one build at a time
+LOADING = threading.Lock()
 
 
 def load_model(

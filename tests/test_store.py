@@ -120,7 +120,7 @@ def test_fp8_store_half_the_bytes_same_states_either_path(tiny_target, tmp_path)
         )
         assert ((x - y).norm(dim=-1) / y.norm(dim=-1)).max() < 0.05
     assert verify_store(fp8, progress=False) == []
-    victim = s8.index[0]
+    victim = next(r for r in s8.index if r["start"] == 0)  # pieces hold samples longest first
     flip_byte(fp8 / "aux_scale" / "c" / "0" / "0", 1)  # uncompressed: row 0's first scale
     bad = verify_store(fp8, progress=False)
     assert any(f"sample '{victim['id']}'" in b for b in bad)
@@ -138,7 +138,7 @@ def test_flipped_byte_is_named_by_verify_and_reader(tiny_target, tmp_path):
     store = HiddenStore(out)
     H, C = store.attrs["hidden_size"], store.attrs["layout"]["chunk_tokens"]
     # uncompressed: shard 0 of `final` is its chunks (rows + a 4-byte crc32c each), then the index
-    victim = store.index[0]
+    victim = next(r for r in store.index if r["start"] == 0)  # shard 0's first sample (pieces: longest first)
     row = victim["start"] + victim["length"] // 2
     flip_byte(out / "final" / "c" / "0" / "0", (row // C) * (C * H * 2 + 4) + (row % C) * H * 2 + 7)
     bad = verify_store(out, progress=False)
@@ -147,7 +147,7 @@ def test_flipped_byte_is_named_by_verify_and_reader(tiny_target, tmp_path):
     assert victim in named and len(named) == len(bad)
     assert all(set(range(r["start"], r["start"] + r["length"])) & set(chunk) for r in named)
     with pytest.raises(EaglenestError, match=f"store p .*sample '{victim['id']}'"):
-        HiddenStore(out).read(0)
+        HiddenStore(out).read(store.index.index(victim))
     p = run_py(["-m", "eaglenest.cli", "verify", "-q", str(out)], cwd=tmp_path, check=False)
     assert p.returncode == 1 and victim["id"] in p.stdout
 

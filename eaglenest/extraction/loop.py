@@ -141,12 +141,19 @@ def _extract_part(
     mine = share(open_windows, 0, world)
     t_compute = time.time()
     workers = freeing = None
-    # the gate's float32 reference loads while the forward loop runs (validate.samples 0: no gate),
-    # after an in-process backend's own model: one load at a time (`target.load_model`), the
-    # backend's first, since the forward loop waits for it
     if mine and getattr(backend, "loaded", True) is False:  # the hf backend
         backend.load()
-    loader = ReferenceLoader(target, taps, described.get("device", "cpu")) if gate_samples(validate_cfg) > 0 else None
+    # The gate's float32 reference loads in a thread while the forward loop runs (validate.samples 0:
+    # no gate), started once the first batch is launched: after the backend's own load (one load at a
+    # time, `target.LOADING`) and after its compile: both are Python on one GIL (on the H200 the
+    # stage's cold warm-up took 12.9-15.5 s beside the load, one layer's compile alone 7.4 s).
+    refs = []
+
+    def start_reference():
+        if not refs and gate_samples(validate_cfg) > 0:
+            refs.append(ReferenceLoader(target, taps, described.get("device", "cpu")))
+
+    loader = None
     try:
         if world > 1 and len(open_windows) > 1:
             if backend_spec is None:
@@ -175,8 +182,10 @@ def _extract_part(
             ) as bar,
         ):
             clock, writer, pool, drain_s = extract_pieces(
-                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar
+                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar, start_reference
             )
+        start_reference()  # no batch ran here (all resumed, or on the other devices)
+        loader = refs[0] if refs else None
         # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
         freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
         freeing.start()
@@ -240,8 +249,8 @@ def _extract_part(
             stop(workers)
         if freeing is not None:
             freeing.join()
-        if loader is not None:  # the reference is freed with the run, whatever happened
-            loader.close()
+        for ref in refs:  # the reference is freed with the run, whatever happened
+            ref.close()
 
 
 class GateFailed(EaglenestError):

@@ -38,8 +38,9 @@ def plan_pieces(lengths: list[int], shard_tokens: int) -> list[Piece]:
     piece if it fits, else opens one. So a piece holds samples of about one length and the
     length-sorted batches of a window (`window_batches`) fill its pieces one after another: a piece
     goes to its writer as the loop moves on, not all of a window's at its end (the writers' drain
-    after the last batch), and a window's batches span a narrow range of lengths (8B bench, lengths
-    128-2,048 at 16k-token batches: 2.5 % padding, 8.9 % with pieces in input order)."""
+    after the last batch), and a window's batches span a narrow range of lengths (H200 bench, lengths
+    128-2,048 at 16k-token batches: 2.9 % padding on a 600k-token part, 0.7 % on 2.6M; 9.6 % with
+    pieces in input order)."""
     pieces, cur, offs, used = [], [], [], 0
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[i]

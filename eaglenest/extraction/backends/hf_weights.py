@@ -1,7 +1,8 @@
 """The hf backend's own weight loader: the decoder built by transformers from the target's config on
 the device, then its parameters filled straight from the safetensors files -- the file read into
-pinned buffers and copied to the GPU by DMA, several buffers in flight -- instead of transformers'
-loader (on the H200, 16 GB in 13 s through `from_pretrained`; bench/RESULTS.md). Only where the files
+pinned buffers and copied to the GPU by DMA, several buffers in flight (an 8B target's 16 GB at
+11.8 GB/s on the H200) -- instead of transformers' loader. Most of a part's `load_s` is transformers'
+own import either way (bench/RESULTS.md, "seventh run"). Only where the files
 hold exactly the decoder's parameters, in its dtype; anything else (another dtype, extra or missing
 tensors, no safetensors) is reported by `plan_copy` and the caller loads through transformers. The
 gate's reference is loaded by transformers, independently of this path, so a wrong mapping here
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.errors import EaglenestError
+from eaglenest.target import quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ def build_decoder(model_dir: Path, dtype: str, device: str, attn: str):
     from transformers import AutoConfig, AutoModel
     from transformers.initialization import no_init_weights
 
+    quiet_transformers()
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device(device), no_init_weights():
         model = AutoModel.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)
