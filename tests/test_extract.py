@@ -392,6 +392,7 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(smollm2, tmp_path):
     assert all(fc[k] > 0 for k in items), fc
     assert report["wall_s"] == pytest.approx(report["forward_s"] + fc["total_s"], abs=0.02)
     assert sum(fc[k] for k in items) <= fc["total_s"] + 0.05
+    assert 0 < fc["load_build_s"] + fc["load_copy_s"] <= fc["load_s"] + 0.02  # the own loader's two parts
     assert fc["gate_s"] == pytest.approx(report["validation"]["seconds"], abs=0.5)
     assert 0 < report["forward_s"] < report["extract_seconds"]
     digests = json.loads((clean_ws / ".eaglenest" / "digests.json").read_text())

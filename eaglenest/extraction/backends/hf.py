@@ -90,8 +90,14 @@ class HFBackend:
             log.info("hf backend: loading through transformers (%s)", e)
             decoder, copies = load_model(self.target, self.dtype, self.device, self.attn).get_decoder(), None
         if copies is not None:
+            built = time.perf_counter()
             n = copy_weights(copies, self.device)
-            log.info("hf backend: %.1f GB of weights copied from the safetensors", n / 1e9)
+            # load_s's two parts: building the decoder (transformers' modeling imports, most of it on
+            # the H200) and the weights' copy
+            self.timings["load_build_s"] = round(built - t, 2)
+            self.timings["load_copy_s"] = round(time.perf_counter() - built, 2)
+            log.info("hf backend: %.1f GB of weights copied from the safetensors in %.1f s", n / 1e9,
+                     self.timings["load_copy_s"])  # fmt: skip
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = decoder.requires_grad_(False)  # no autograd state: one set of guards
         self.forward = self._hf_forward
