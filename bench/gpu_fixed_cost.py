@@ -1,10 +1,11 @@
-"""Two pieces of an extract part's fixed cost, each in a fresh process: the target's load (transformers'
-`from_pretrained` against the hf backend's own loader, `hf_weights`) and the layers' cold compile,
-with inductor's own account of where the compile went (`torch._dynamo.utils.compile_times`), under
--E settings (environment, e.g. TORCHINDUCTOR_COMPILE_THREADS=1). Run after `bench.gpu_extract` has
-built its target (or pass --model).
+"""Pieces of an extract part's fixed cost, each in a fresh process: the target's load (transformers'
+`from_pretrained` against the hf backend's own loader, `hf_weights`), the decoder's build profiled
+(where the seconds before the weights' copy go), and one layer's cold compile with inductor's own
+account of its phases (`torch._dynamo.utils.compile_times`), also under -E settings (environment,
+e.g. TORCHINDUCTOR_COMPILE_THREADS=1). Run after `bench.gpu_extract` has built its target (or pass
+--model); --device cpu checks the harness here (the compile only), not for figures.
 
-    python -m bench.gpu_fixed_cost [--model ~/gpu_extract/model] [-E NAME=VALUE ...] [--out FILE]
+    python -m bench.gpu_fixed_cost [--model ~/gpu_extract/model] [--only build] [-E NAME=VALUE ...] [--out FILE]
 """
 
 import argparse
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEVICE = os.environ.get("FIXED_COST_DEVICE", "cuda")  # cpu: a check of the harness, not figures
+DEVICE = os.environ.get("FIXED_COST_DEVICE", "cuda")  # set by --device for the measuring processes
 
 
 def load(model: Path, how: str) -> dict:
@@ -90,16 +91,20 @@ def compile_layer(model: Path) -> dict:
     return {"build_s": round(built, 2), "compile_s": round(first, 2), "phases": top}
 
 
-def child(args) -> None:
-    if args.what in ("transformers", "own"):
-        out = load(args.model, args.what)
+MEASURES = {"transformers": "load_transformers", "own": "load_own", "build": "build", "compile": "compile_default"}
+
+
+def child(what: str, model: Path) -> None:
+    if what in ("transformers", "own"):
+        out = load(model, what)
     else:
-        out = build(args.model) if args.what == "build" else compile_layer(args.model)
+        out = build(model) if what == "build" else compile_layer(model)
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run(model: Path, what: str, env: dict) -> dict:
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+def run(model: Path, what: str, env: dict, device: str) -> dict:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **env, "PYTHONPATH": path, "FIXED_COST_DEVICE": device}
     env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()  # cold, as on a fresh machine
     t = time.time()
     p = subprocess.run([sys.executable, "-m", "bench.gpu_fixed_cost", "--child", what, "--model", str(model)],
@@ -113,25 +118,22 @@ def run(model: Path, what: str, env: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path.home() / "gpu_extract" / "model")
-    ap.add_argument("-E", dest="envs", action="append", default=[], help="NAME=VALUE for the compile runs")
+    ap.add_argument("--only", choices=sorted(MEASURES), help="this one alone (default: both loads, the compile)")
+    ap.add_argument("--device", default="cuda", help="cpu: the compile only, to check the harness")
+    ap.add_argument("-E", dest="envs", action="append", default=[], help="NAME=VALUE for more compile runs")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        a.what = a.child
-        return child(a)
-    ap_only = os.environ.get("FIXED_COST_ONLY")  # e.g. build: that measurement alone
-    if ap_only:
-        res = {ap_only: run(a.model, ap_only, {})}
-        print(json.dumps(res, indent=1))
-        return a.out and a.out.write_text(json.dumps(res, indent=1) + "\n")
-    res = {}
-    if DEVICE == "cuda":
-        res = {"load_transformers": run(a.model, "transformers", {}), "load_own": run(a.model, "own", {})}
-    res["compile_default"] = run(a.model, "compile", {})
+        return child(a.child, a.model)
+    if a.only:
+        todo = [a.only]
+    else:
+        todo = ["transformers", "own", "compile"] if a.device == "cuda" else ["compile"]
+    res = {MEASURES[w]: run(a.model, w, {}, a.device) for w in todo}
     for e in a.envs:
         k, v = e.split("=", 1)
-        res[f"compile_{k}={v}"] = run(a.model, "compile", {k: v})
+        res[f"compile_{k}={v}"] = run(a.model, "compile", {k: v}, a.device)
     print(json.dumps(res, indent=1))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1) + "\n")

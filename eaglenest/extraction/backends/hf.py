@@ -42,7 +42,8 @@ class HFBackend:
     length (dynamo gives equal sizes one symbol): `warm_len` avoids those. The compile stays after
     the model load, in this process: beside the load it was measured slower in a sibling process
     (bench/RESULTS.md) and is unsafe in a thread (dynamo and transformers' loading both set torch's
-    process-wide default dtype).
+    process-wide default dtype; fx's tracing patches `nn.Module.__call__` for every thread) for at
+    most the 1.3 s of the weights' copy (H200, 8B) to hide.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
