@@ -493,6 +493,49 @@ def test_pieces_by_length_fill_one_after_another_in_batches_with_little_padding(
     assert len(plan_windows(narrow, lengths, 4096)) >= len(narrow) / 2
 
 
+class FailsAfter(HFBackend):
+    """Raises at its fourth batch, after some pieces are committed."""
+
+    calls = 0
+
+    def extract_async(self, batch):
+        self.calls += 1
+        if self.calls == 4:
+            raise RuntimeError("injected failure")
+        return super().extract_async(batch)
+
+
+def test_a_work_dir_planned_another_way_is_never_resumed(tiny_target, tmp_path, monkeypatch):
+    """The plan's name is part of the work key: pieces committed under another plan hold other samples
+    under the same piece numbers, so a run under this plan starts its own work dir (and removes the
+    stale one once it publishes) instead of resuming them."""
+    import eaglenest.extraction.loop as loop
+
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    tok = write_tokenized(tmp_path / "tok.parquet", random_samples(40, 500, 10, 60, seed=8))
+
+    def run(backend, name="out"):
+        return extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
+                            backend=backend, batch_tokens=64, max_seq_len=64,
+                            layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1),
+                            validate_cfg=gate(2), out_dir=tmp_path / name, work_root=tmp_path / f"work-{name}",
+                            progress=False, writers=1)  # fmt: skip
+
+    with monkeypatch.context() as m:
+        m.setattr(loop, "PLAN", "pieces-in-input-order")
+        with pytest.raises(RuntimeError, match="injected failure"):
+            run(FailsAfter(tiny_target, taps, device="cpu"))
+    (stale,) = (tmp_path / "work-out").iterdir()
+    assert list((stale / "pieces").glob("*.json")), "the failed run committed pieces"
+    done = run(HFBackend(tiny_target, taps, device="cpu"))
+    assert done["pieces_resumed"] == 0 and done["committed"] and not stale.exists()
+    run(HFBackend(tiny_target, taps, device="cpu"), "clean")  # from nothing: the same store
+    a, b = HiddenStore(tmp_path / "out"), HiddenStore(tmp_path / "clean")
+    assert [(r["key"], r["digest"], r["start"]) for r in a.index] == [
+        (r["key"], r["digest"], r["start"]) for r in b.index
+    ]
+
+
 def test_batch_tokens_auto_resolves_by_device_kind_and_rejects_junk():
     from eaglenest.extraction.plan import AUTO_BATCH_TOKENS, batch_tokens_for
 
