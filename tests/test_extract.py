@@ -420,6 +420,15 @@ def test_write_failure_is_clear_and_keeps_committed_pieces(smollm2, tmp_path):
     assert verify_store(ws / "data" / "hidden" / "p", progress=False) == []
 
 
+def extract_small(tiny_target, tok, out_dir, work_root, backend=None, **kw):
+    """One part of the tiny target in many small pieces (64-token batches, 0.05 MB shards), gate on 2."""
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    return extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
+                        backend=backend or HFBackend(tiny_target, taps, device="cpu"), batch_tokens=64,
+                        max_seq_len=64, layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1),
+                        validate_cfg=gate(2), out_dir=out_dir, work_root=work_root, progress=False, **kw)  # fmt: skip
+
+
 def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_target, tmp_path):
     """extract.devices: windows of pieces dealt round-robin to worker processes (here 3 on the CPU, as
     3 GPUs would be), the gate once: the same keys, digests and shard bytes as one process. A worker
@@ -429,11 +438,7 @@ def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_t
     spec = ("hf", {"taps": taps, "dtype": "bfloat16"})
 
     def run(name, work="work", **kw):
-        return extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
-                            backend=HFBackend(tiny_target, taps, device="cpu"), batch_tokens=64, max_seq_len=64,
-                            layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1),
-                            validate_cfg=gate(2), out_dir=tmp_path / name, work_root=tmp_path / work / name,
-                            progress=False, **kw)  # fmt: skip
+        return extract_small(tiny_target, tok, tmp_path / name, tmp_path / work / name, **kw)
 
     one = run("one")
     three = run("three", devices=["cpu"] * 3, backend_spec=spec)
@@ -515,11 +520,7 @@ def test_a_work_dir_planned_another_way_is_never_resumed(tiny_target, tmp_path, 
     tok = write_tokenized(tmp_path / "tok.parquet", random_samples(40, 500, 10, 60, seed=8))
 
     def run(backend, name="out"):
-        return extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
-                            backend=backend, batch_tokens=64, max_seq_len=64,
-                            layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1),
-                            validate_cfg=gate(2), out_dir=tmp_path / name, work_root=tmp_path / f"work-{name}",
-                            progress=False, writers=1)  # fmt: skip
+        return extract_small(tiny_target, tok, tmp_path / name, tmp_path / f"work-{name}", backend, writers=1)
 
     with monkeypatch.context() as m:
         m.setattr(loop, "PLAN", "pieces-in-input-order")

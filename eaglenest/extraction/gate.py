@@ -68,10 +68,11 @@ class Reference:
 class ReferenceLoader:
     """Builds the `Reference` in a thread, so its load (for an 8B target, 32 GB of float32 weights)
     overlaps the forward loop instead of following it. `get()` waits for it; `close()` frees it.
-    The reference is the same independent model either way; only its load moves earlier. Safe
-    beside the first batch's compile: transformers' load sets torch's process-wide default dtype
-    and dynamo restores it after each compile, but for a float32 model both set it to float32, the
-    default (a bfloat16 load beside a compile once left the process on bfloat16)."""
+    The reference is the same independent model either way; only its load moves earlier. The
+    extraction starts it once the first batch is launched, after the hf backend's compile; should a
+    graph compile again beside it, that is safe: transformers' load sets torch's process-wide default
+    dtype and dynamo restores it after each compile, but for a float32 model both set it to float32,
+    the default (a bfloat16 load beside a compile once left the process on bfloat16)."""
 
     def __init__(self, target: Target, taps: list[int], device: str):
         self.ref = self.error = None

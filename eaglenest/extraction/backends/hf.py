@@ -12,7 +12,7 @@ from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends.hf_compile import compile_layers, compile_length, run_layers, runs_own_loop
 from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_weights, plan_copy
 from eaglenest.store import states as state_format
-from eaglenest.target import LOADING, Target, head_dim, load_model, model_config, pick_device
+from eaglenest.target import Target, head_dim, load_model, model_config, pick_device
 from eaglenest.versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,7 @@ class HFBackend:
         files do not suit it). The layers compile at `warm_up`."""
         t = time.perf_counter()
         try:
-            with LOADING:  # transformers sets torch's default dtype while it builds a model
-                decoder = build_decoder(self.target.model_dir, self.dtype, self.device, self.attn)
+            decoder = build_decoder(self.target.model_dir, self.dtype, self.device, self.attn)
             copies = plan_copy(self.target.model_dir, decoder)
         except Unsupported as e:
             log.info("hf backend: loading through transformers (%s)", e)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.errors import EaglenestError
-from eaglenest.target import quiet_transformers
+from eaglenest.target import LOADING, quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,14 @@ class Unsupported(Exception):
 
 def build_decoder(model_dir: Path, dtype: str, device: str, attn: str):
     """The target's decoder stack (no lm_head), allocated on `device` and left uninitialised: every
-    parameter is overwritten by `copy_weights`. The caller holds `target.LOADING` (transformers sets
-    torch's process-wide default dtype while it builds a model)."""
+    parameter is overwritten by `copy_weights`. Under `target.LOADING`, as every model build here
+    (transformers sets torch's process-wide default dtype while it builds a model)."""
     from transformers import AutoConfig, AutoModel
     from transformers.initialization import no_init_weights
 
     quiet_transformers()
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    with torch.device(device), no_init_weights():
+    with LOADING, torch.device(device), no_init_weights():
         model = AutoModel.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)
     return model.eval().requires_grad_(False)
 
