@@ -1,11 +1,10 @@
 """Pieces of an extract part's fixed cost, each in a fresh process: the target's load (transformers'
-`from_pretrained` against the hf backend's own loader, `hf_weights`), the decoder's build profiled
-(where the seconds before the weights' copy go), and one layer's cold compile with inductor's own
-account of its phases (`torch._dynamo.utils.compile_times`), also under -E settings (environment,
-e.g. TORCHINDUCTOR_COMPILE_THREADS=1). Run after `bench.gpu_extract` has built its target (or pass
---model); --device cpu checks the harness here (the compile only), not for figures.
+`from_pretrained` against the hf backend's own layers and loader, `llama` + `hf_weights`), and the
+own layer's cold compile with inductor's own account of its phases (`compile_times`), also under -E
+settings (environment, e.g. TORCHINDUCTOR_COMPILE_THREADS=1). Run after `bench.gpu_extract` has built
+its target (or pass --model); --device cpu checks the harness here (the compile only), not for figures.
 
-    python -m bench.gpu_fixed_cost [--model ~/gpu_extract/model] [--only build] [-E NAME=VALUE ...] [--out FILE]
+    python -m bench.gpu_fixed_cost [--model ~/gpu_extract/model] [--only compile] [-E NAME=VALUE ...] [--out FILE]
 """
 
 import argparse
@@ -24,7 +23,8 @@ DEVICE = os.environ.get("FIXED_COST_DEVICE", "cuda")  # set by --device for the 
 def load(model: Path, how: str) -> dict:
     import torch
 
-    from eaglenest.extraction.backends.hf_weights import build_decoder, copy_weights, plan_copy
+    from eaglenest.extraction.backends import llama
+    from eaglenest.extraction.backends.hf_weights import copy_weights, plan_copy
     from eaglenest.target import load_model, materialize
 
     t = time.perf_counter()
@@ -33,57 +33,35 @@ def load(model: Path, how: str) -> dict:
         t = time.perf_counter()
         load_model(target, dtype="bfloat16", device="cuda")
         return {"load_s": round(time.perf_counter() - t, 2)}
-    decoder = build_decoder(model, "bfloat16", "cuda", "sdpa")
-    built = time.perf_counter() - t
-    n = copy_weights(plan_copy(model, decoder), "cuda")
-    torch.cuda.synchronize()
-    s = time.perf_counter() - t
-    return {"load_s": round(s, 2), "build_s": round(built, 2), "GB_per_s": round(n / 1e9 / (s - built), 1)}
-
-
-def build(model: Path) -> dict:
-    """The decoder's build on the GPU (`hf_weights.build_decoder`) after CUDA's own start, profiled:
-    where the seconds before the weights' copy go."""
-    import cProfile
-    import io
-    import pstats
-
-    import torch
-
-    from eaglenest.extraction.backends.hf_weights import build_decoder
-
-    t = time.perf_counter()
     torch.empty(1, device="cuda")
-    cuda_s = time.perf_counter() - t
-    prof = cProfile.Profile()
-    t = time.perf_counter()
-    prof.runcall(build_decoder, model, "bfloat16", "cuda", "sdpa")
+    cuda = time.perf_counter() - t
+    spec = llama.plan(model)
+    weights = llama.allocate(spec, model, torch.bfloat16, "cuda")
     built = time.perf_counter() - t
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
-    return {"cuda_init_s": round(cuda_s, 2), "build_s": round(built, 2), "profile": text.getvalue()[-6000:]}
+    n = copy_weights(plan_copy(model, weights), "cuda")
+    s = time.perf_counter() - t
+    return {"load_s": round(s, 2), "cuda_init_s": round(cuda, 2), "build_s": round(built - cuda, 2),
+            "GB_per_s": round(n / 1e9 / (s - built), 1)}  # fmt: skip
 
 
 def compile_layer(model: Path) -> dict:
-    """One decoder layer of the target's shape compiled as the backend compiles it, cold cache."""
+    """The own layer of the target's shape compiled as the backend compiles it (`LayerCompile`, here
+    awaited at once), cold cache, with inductor's account of its phases."""
+    import dataclasses
+
     import torch
     from torch._dynamo.utils import compile_times
-    from transformers import AutoConfig, AutoModel
 
-    from eaglenest.extraction.backends.hf_compile import compile_layers, run_layers
+    from eaglenest.extraction.backends import llama
+    from eaglenest.extraction.backends.hf_compile import LayerCompile
 
     t0 = time.perf_counter()
-    cfg = AutoConfig.from_pretrained(model)
-    cfg.num_hidden_layers = 1
-    with torch.device(DEVICE):
-        dec = AutoModel.from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
-    compile_layers(dec)
-    ids = torch.zeros((2, 65), dtype=torch.long, device=DEVICE)
+    spec = dataclasses.replace(llama.plan(model), layers=1)
+    dec = llama.Decoder(spec, llama.allocate(spec, model, torch.bfloat16, DEVICE))
     built = time.perf_counter() - t0
     t = time.perf_counter()
-    with torch.inference_mode():
-        run_layers(dec, ids, (True,))
-        DEVICE == "cuda" and torch.cuda.synchronize()
+    job = LayerCompile(dec, DEVICE)
+    job.wait()
     first = time.perf_counter() - t
     rows = [ln.split() for ln in compile_times(repr="str", aggregate=True).splitlines()]
     phases = {r[0]: float(r[-1]) for r in rows if len(r) >= 2 and r[-1].replace(".", "", 1).isdigit()}
@@ -91,14 +69,11 @@ def compile_layer(model: Path) -> dict:
     return {"build_s": round(built, 2), "compile_s": round(first, 2), "phases": top}
 
 
-MEASURES = {"transformers": "load_transformers", "own": "load_own", "build": "build", "compile": "compile_default"}
+MEASURES = {"transformers": "load_transformers", "own": "load_own", "compile": "compile_default"}
 
 
 def child(what: str, model: Path) -> None:
-    if what in ("transformers", "own"):
-        out = load(model, what)
-    else:
-        out = build(model) if what == "build" else compile_layer(model)
+    out = load(model, what) if what in ("transformers", "own") else compile_layer(model)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -80,28 +80,79 @@ def test_compiled_backend_equals_eager(tiny_target):
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
 
 
-def test_own_loop_equals_transformers_forward_one_graph_a_layer(tiny_target):
-    """`extract.hf.compile: layers` (the CUDA default): the backend's own loop over the layers gives
-    exactly what transformers' forward with output_hidden_states gives (eager, bit for bit).
-    Compiled, each layer is one graph, shared by every layer and batch shape, where transformers'
-    capture hooks split each layer in three; the states agree within float reordering. A decoder
-    or attention the own loop cannot run falls back to each layer compiled inside transformers'
-    forward. A bfloat16 load leaves torch's default dtype float32 (a compile in a thread beside
-    transformers' load once left it bfloat16)."""
+def family_target(root, family: str):
+    """A 4-layer random decoder of `family` (hidden 64, bf16, every parameter random: biases and norms
+    too), saved under root/family."""
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    cls, extra = {
+        "llama3_rope": ("Llama", {"rope_parameters": llama3}),
+        "llama_bias": ("Llama", {"attention_bias": True}),
+        "mistral": ("Mistral", {"sliding_window": None}),
+        "qwen2": ("Qwen2", {}),
+        "qwen3": ("Qwen3", {"head_dim": 32}),
+        "mistral_window": ("Mistral", {"sliding_window": 16}),
+        "yarn": ("Llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}),
+        "phi3": ("Phi3", {"pad_token_id": 0}),
+    }[family]
+    torch.manual_seed(0)
+    model = getattr(tf, f"{cls}ForCausalLM")(getattr(tf, f"{cls}Config")(**common, **extra))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    model.to(torch.bfloat16).save_pretrained(root / family)
+    return root / family
+
+
+@pytest.mark.parametrize("family", ["llama3_rope", "llama_bias", "mistral", "qwen2", "qwen3"])
+def test_own_layers_equal_transformers_bit_for_bit(tmp_path, family):
+    """The own decoder (`backends.llama`: what the hf backend runs on CUDA) computes exactly what
+    transformers' decoder computes, eager, in float32 and bfloat16, for each family it runs: every
+    layer's input and the final norm's output, bit for bit."""
+    from transformers import AutoModel
+
+    from eaglenest.extraction.backends import llama
+    from eaglenest.extraction.backends.hf_weights import copy_cast
+
+    path = family_target(tmp_path, family)
+    spec = llama.plan(path)
+    ids = torch.from_numpy(np.stack(random_samples(3, 512, 40, 40, seed=3))).long()
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+        weights = llama.allocate(spec, path, dtype, "cpu")
+        copy_cast(path, weights)
+        with torch.inference_mode():
+            out = ref(input_ids=ids, output_hidden_states=True, use_cache=False)
+            kept, final = llama.Decoder(spec, weights).run(ids, (True,) * spec.layers)
+        assert len(kept) == spec.layers
+        for j, h in enumerate(kept):
+            assert torch.equal(h, out.hidden_states[j]), (family, dtype, j)
+        assert torch.equal(final, out.last_hidden_state), (family, dtype)
+
+
+def test_own_layers_compiled_once_in_a_thread_and_where_they_do_not_run(tiny_target, tmp_path, caplog):
+    """`extract.hf.compile: layers` (the CUDA default): the own decoder, its one layer function
+    compiled in a thread while the weights are copied in; the first batch waits for it. Within float
+    reordering of transformers' eager states, one graph for every layer and batch shape, no
+    transformers forward. Targets the own layers do not run (another family, a sliding window,
+    another rotary kind, eager attention) fall back to transformers' layers compiled in place,
+    saying why; the extractor's fingerprint names the code that computes the states."""
     from torch._dynamo.utils import counters
+
+    from eaglenest.extraction.backends import llama
+    from eaglenest.extraction.backends.hf_weights import Unsupported
 
     taps = resolve_taps("auto", tiny_target.num_layers)
     eager = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=False)
-    eager.load()
-    ids = torch.from_numpy(np.stack([s[:40] for s in random_samples(3, tiny_target.vocab_size, 40, 60, seed=7)]))
-    with torch.inference_mode():
-        for x, y in zip(eager._hf_forward(ids.long()), eager._own_forward(ids.long())):
-            assert torch.equal(x, y)
     own = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile="layers")
-    # a length equal to the head (16) or hidden (64) size, or to the two rows, would share their
-    # symbol and specialise the graph to that length: the compile runs at the next free one
-    assert [own.warm_len(T) for T in (2, 15, 16, 64, 65)] == [3, 15, 17, 65, 65]
+    assert own.own is not None and own.describe()["version"].startswith(llama.VERSION)
+    assert eager.describe()["version"].startswith("transformers-")
     counters.clear()
+    own.load()
+    assert own.compiling is not None  # compiling beside the copy
     for seqs in (
         random_samples(3, tiny_target.vocab_size, 3, 40, seed=4),
         random_samples(1, tiny_target.vocab_size, 50, 70, seed=5),
@@ -110,9 +161,19 @@ def test_own_loop_equals_transformers_forward_one_graph_a_layer(tiny_target):
         for (a, f), (a1, f1) in zip(eager.extract(seqs), own.extract(seqs)):
             cos, rel = token_stats(torch.cat([a.flatten(0, 1), f]).float(), torch.cat([a1.flatten(0, 1), f1]).float())
             assert cos.min() >= 0.99999 and rel.max() <= 2**-7, (cos.min(), rel.max())
-    assert own.forward == own._own_forward
+    assert own.forward == own._own_forward and own.compiling is None
+    assert own.timings["compile_s"] > 0 and own.timings["warm_up_s"] <= own.timings["compile_s"] + 0.5
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph, every layer and shape
-    fallback = HFBackend(tiny_target, taps, device="cpu", compile="layers", attn="eager")  # bfloat16
+    assert isinstance(own.decoder, llama.Decoder)
+
+    for family, why in (("mistral_window", "sliding-window"), ("yarn", "rotary embedding 'yarn'"),
+                        ("phi3", "model_type 'phi3'")):  # fmt: skip
+        with pytest.raises(Unsupported, match=why):
+            llama.plan(family_target(tmp_path, family))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        fallback = HFBackend(tiny_target, taps, device="cpu", compile="layers", attn="eager")  # bfloat16
+    assert "attention 'eager'" in caplog.text and fallback.mode is True and fallback.own is None
     fallback.load()
     assert fallback.forward == fallback._hf_forward
     assert torch.get_default_dtype() is torch.float32
@@ -148,7 +209,7 @@ def test_own_weight_loader_equals_transformers_and_falls_back_where_files_differ
     (f,) = other.glob("*.safetensors")
     tensors = load_file(f)
     save_file({**tensors, "model.extra.weight": torch.zeros(3)}, f, metadata={"format": "pt"})
-    decoder = build_decoder(other, "bfloat16", "cpu", "sdpa")
+    decoder = build_decoder(other, "bfloat16", "cpu", "sdpa").state_dict(keep_vars=True)
     with pytest.raises(Unsupported, match="model.extra.weight"):
         plan_copy(other, decoder)
     save_file({k: v for k, v in tensors.items() if "layers.3." not in k}, f, metadata={"format": "pt"})

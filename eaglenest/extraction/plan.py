@@ -17,8 +17,10 @@ def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
         raise EaglenestError(f"{path}: tokenized part not found (run the tokenize stage)")
     t = pq.read_table(path, columns=["id", "input_ids"])
     ids = t.column("id").to_pylist()
-    seqs = [np.asarray(x, dtype=np.int32) for x in t.column("input_ids").to_pylist()]
-    return ids, seqs
+    col = t.column("input_ids").combine_chunks()  # one list array: its flat values, sliced per sample
+    flat = col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    ends = np.cumsum(col.value_lengths().to_numpy(zero_copy_only=False))
+    return ids, np.split(flat, ends[:-1]) if len(col) else []
 
 
 @dataclass(frozen=True)

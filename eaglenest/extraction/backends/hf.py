@@ -4,13 +4,15 @@ dtype)."""
 
 import logging
 import time
+from importlib.metadata import version
 
 import numpy as np
 import torch
 
 from eaglenest.errors import EaglenestError
-from eaglenest.extraction.backends.hf_compile import compile_layers, compile_length, run_layers, runs_own_loop
-from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_weights, plan_copy
+from eaglenest.extraction.backends import llama
+from eaglenest.extraction.backends.hf_compile import LayerCompile, compile_layers, compile_length
+from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_cast, copy_weights, plan_copy
 from eaglenest.store import states as state_format
 from eaglenest.target import Target, head_dim, load_model, model_config, pick_device
 from eaglenest.versions import CAPTURE_VERSIONS
@@ -25,25 +27,23 @@ class HFBackend:
     Fuses what eager runs as separate memory-bound kernels: RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU
     x up, RoPE's rotate-half and the residual adds (29 % of an 8B forward's GPU time eager; compiled,
     the H200 forward went 0.61 -> 0.75 MFU). Each layer's graph serves every layer and length.
-    - true: each layer compiled inside transformers' forward, whose hidden-state capture hooks read a
-      ContextVar that dynamo cannot trace: three graphs a layer (input norm | attention | the rest).
-    - layers: the backend runs the decoder stack itself -- embeddings, each layer, the final norm,
-      keeping the residual stream that enters each tap layer, as `output_hidden_states` does -- so
-      each layer is one compiled call (a third less host time a batch than `true` on the CPU; the
-      H200 spent ~85 ms of host time a batch in `true`, bench/RESULTS.md). Plain Llama-family
-      decoders (`hf_compile.OWN_LOOP`) with SDPA's causal kernel; others run as `true`.
+    - layers: the backend runs the decoder itself, as plain functions (`llama`: Llama, Mistral, Qwen2,
+      Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its layer one compiled
+      graph, compiled in a thread while the weights are copied in (`hf_compile.LayerCompile`). No
+      transformers modeling import in the stage: on the H200 that import was most of an 8B load's
+      10 s of `load_s`. Other decoders run as `true`.
+    - true: each of transformers' decoder layers compiled inside its forward, whose hidden-state
+      capture hooks read a ContextVar that dynamo cannot trace: three graphs a layer (input norm |
+      attention | the rest), compiled at the warm-up before the first batch, after the load (a
+      compile beside transformers' load is unsafe: both set torch's process-wide default dtype, and
+      fx's tracing patches `nn.Module.__call__` for every thread).
     The loop compiled whole (one graph a batch) was measured and dropped: on the H200 its cold
     compile took 67 s and its batches kept recompiling (forward loop at MFU 0.13; RESULTS.md).
     Dynamo specialises a size of 1, so compiled batches are never one row or one token long: a
     part's occasional one-sample batch (a piece's remainder) gets a padding row, dropped after, and
-    runs the graphs every batch runs. One family of graphs, compiled once before the first batch;
-    no second family for batch 1 (on the H200 that one took 14 s of a cold part's fixed cost).
+    runs the graphs every batch runs. One family of graphs, compiled once before the first batch.
     A graph compiled with its length equal to the head or hidden size would be specialised to that
-    length (dynamo gives equal sizes one symbol): `warm_len` avoids those. The compile stays after
-    the model load, in this process: beside the load it was measured slower in a sibling process
-    (bench/RESULTS.md) and is unsafe in a thread (dynamo and transformers' loading both set torch's
-    process-wide default dtype; fx's tracing patches `nn.Module.__call__` for every thread) for at
-    most the 1.3 s of the weights' copy (H200, 8B) to hide.
+    length (dynamo gives equal sizes one symbol): `warm_len` avoids those.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
@@ -63,13 +63,24 @@ class HFBackend:
             raise EaglenestError(f"extract.hf.compile must be auto, true, false or layers, got {compile!r}")
         if compile == "auto":
             compile = "layers" if self.device.startswith("cuda") else False
+        self.own = None  # llama.Spec where the backend runs the decoder itself
+        if compile == "layers":
+            try:
+                if attn != "sdpa":
+                    raise Unsupported(f"attention {attn!r}")
+                self.own = llama.plan(target.model_dir)
+            except Unsupported as e:
+                log.info("hf backend: %s: not run by the own layers (%s); each of transformers' layers compiled",
+                         target.model_dir, e)  # fmt: skip
+                compile = True
         self.mode = compile
         self.compile = compile is not False
         self.target, self.taps, self.dtype, self.attn = target, list(taps), dtype, attn
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
-        self.forward = None  # ids -> (aux, final): transformers' forward, or the own loop compiled
+        self.forward = None  # ids -> (aux, final): transformers' forward, or the own decoder's
         self.pad_id = 0
         self.copy_stream = None
+        self.compiling = None  # hf_compile.LayerCompile until the first batch
         self.states = state_format.check(states)
         self.warm = not self.compile  # eager needs no warming
         self.timings = {}  # load_s, warm_up_s: the fixed cost a part's metrics itemise
@@ -81,54 +92,68 @@ class HFBackend:
     def load(self) -> None:
         """Load the target; `extract` does it on first use: the decoder built on the device and its
         weights copied in from the safetensors (`hf_weights`; through transformers' loader where the
-        files do not suit it). The layers compile at `warm_up`."""
+        files do not suit it). The own layer compiles in a thread meanwhile; transformers' at `warm_up`."""
+        t = time.perf_counter()
+        if self.own is not None:
+            self._load_own()
+        else:
+            self._load_transformers()
+        # the taps in the order the loop keeps them (layer order), and their order as asked (None: the same)
+        self._keep = tuple(j in self.taps for j in range(self.target.num_layers))
+        order = [sorted(self.taps).index(j) for j in self.taps]
+        self._order = None if order == sorted(order) else order
+        self.timings["load_s"] = round(time.perf_counter() - t, 2)
+        log.info(
+            "hf backend: %s on %s, taps %s, states stored as %s, %s; loaded in %.1f s",
+            self.dtype,
+            self.device,
+            self.taps,
+            self.states,
+            "the own layers" if self.own else "transformers' forward",
+            self.timings["load_s"],
+        )
+
+    def _load_own(self) -> None:
+        t = time.perf_counter()
+        weights = llama.allocate(self.own, self.target.model_dir, getattr(torch, self.dtype), self.device)
+        self.decoder = llama.Decoder(self.own, weights)
+        built = time.perf_counter()
+        if self.compile:  # beside the copy; the first batch waits for it (`warm_up`)
+            self.compiling = LayerCompile(self.decoder, self.device)
+        try:
+            n = copy_weights(plan_copy(self.target.model_dir, weights), self.device)
+        except Unsupported as e:  # e.g. float32 files for a bfloat16 extraction
+            log.info("hf backend: weights read and cast through safetensors (%s)", e)
+            n = copy_cast(self.target.model_dir, weights)
+        self.forward = self._own_forward
+        self._weights_copied(built - t, n, time.perf_counter() - built)
+
+    def _weights_copied(self, build_s: float, n: int, copy_s: float) -> None:
+        # load_s's two parts: building the decoder and the weights' copy
+        self.timings.update(load_build_s=round(build_s, 2), load_copy_s=round(copy_s, 2))
+        log.info("hf backend: %.1f GB of weights copied from the safetensors in %.1f s", n / 1e9, copy_s)
+
+    def _load_transformers(self) -> None:
         t = time.perf_counter()
         try:
             decoder = build_decoder(self.target.model_dir, self.dtype, self.device, self.attn)
-            copies = plan_copy(self.target.model_dir, decoder)
+            copies = plan_copy(self.target.model_dir, decoder.state_dict(keep_vars=True))
         except Unsupported as e:
             log.info("hf backend: loading through transformers (%s)", e)
             decoder, copies = load_model(self.target, self.dtype, self.device, self.attn).get_decoder(), None
         if copies is not None:
             built = time.perf_counter()
-            n = copy_weights(copies, self.device)
-            # load_s's two parts: building the decoder (transformers' modeling imports, most of it on
-            # the H200) and the weights' copy
-            self.timings["load_build_s"] = round(built - t, 2)
-            self.timings["load_copy_s"] = round(time.perf_counter() - built, 2)
-            log.info("hf backend: %.1f GB of weights copied from the safetensors in %.1f s", n / 1e9,
-                     self.timings["load_copy_s"])  # fmt: skip
+            self._weights_copied(built - t, copy_weights(copies, self.device), time.perf_counter() - built)
         # The decoder stack without lm_head: no full-vocab logits are ever computed.
         self.decoder = decoder.requires_grad_(False)  # no autograd state: one set of guards
         self.forward = self._hf_forward
-        # the own loop's tap layout: which layers' inputs it keeps, and the taps' order from the layer
-        # order it keeps them in (None: already in that order)
-        self._keep = tuple(j in self.taps for j in range(len(self.decoder.layers)))
-        order = [sorted(self.taps).index(j) for j in self.taps]
-        self._order = None if order == sorted(order) else order
-        own = runs_own_loop(self.decoder, self.mode, self.attn)
-        if own:
-            self.forward = self._own_forward
         if self.compile:
             layers = compile_layers(self.decoder)
-            log.info(
-                "hf backend: %d decoder layers to compile at the warm-up before the first batch, run by %s",
-                len(layers),
-                "the backend's own loop" if own else "transformers' forward",
-            )
-        self.timings["load_s"] = round(time.perf_counter() - t, 2)
-        log.info(
-            "hf backend: %s on %s, taps %s, states stored as %s; loaded in %.1f s",
-            self.dtype,
-            self.device,
-            self.taps,
-            self.states,
-            self.timings["load_s"],
-        )
+            log.info("hf backend: %d decoder layers to compile at the warm-up before the first batch", len(layers))
 
     def warm_len(self, T: int) -> int:
         """T, or the next length a graph may be compiled at (`hf_compile.compile_length`)."""
-        return compile_length(T, self.target.hidden_size, head_dim(model_config(self.target)))
+        return compile_length(T, {self.target.hidden_size, head_dim(model_config(self.target))})
 
     def _hf_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [B, T, A, H], final [B, T, H]) in the model's dtype, through transformers' own forward."""
@@ -137,24 +162,27 @@ class HFBackend:
         return torch.stack([out.hidden_states[j] for j in self.taps], dim=2), out.last_hidden_state
 
     def _own_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same states from the backend's own loop over the layers (`compile: layers`): the tap
-        layers' inputs and the final norm's output. No attention mask, as in `_hf_forward`: SDPA's
-        causal kernel; right padding keeps positions 0.."""
-        kept, final = run_layers(self.decoder, ids, self._keep)
+        """The same states from the own decoder (`compile: layers`): the tap layers' inputs and the
+        final norm's output."""
+        kept, final = self.decoder.run(ids, self._keep)
         aux = torch.stack(kept, dim=2)
         return (aux if self._order is None else aux[:, :, self._order]), final
 
     def describe(self) -> dict:
-        import transformers
-
         return {
             "backend": "hf",
-            "version": f"transformers-{transformers.__version__}",
+            # the code that computes the states: the own layers (and torch), or transformers'
+            "version": f"{llama.VERSION}-torch-{torch.__version__}"
+            if self.own
+            else f"transformers-{version('transformers')}",
             "capture_version": CAPTURE_VERSIONS["hf"],
             "device": self.device,
         }
 
     def close(self) -> None:
+        if self.compiling is not None:  # a run that failed before its first batch
+            self.compiling.thread.join()
+            self.compiling = None
         self.decoder = None
 
     def _to_host(self, *tensors):
@@ -173,15 +201,22 @@ class HFBackend:
         return *host, done
 
     def warm_up(self, ids: torch.Tensor) -> None:
-        """Run the compiled graphs once before the first batch, on two of its rows (at `warm_len`), so
-        a part's fixed cost shows the compile and its forward loop does not. Costs one two-row forward, once."""
+        """Before the first batch, so that a part's fixed cost shows the compile and its forward loop
+        does not: the own layer's compile awaited (`warm_up_s`: what the load did not hide of its
+        `compile_s`), or transformers' compiled layers run once on two of the batch's rows (at
+        `warm_len`: one two-row forward, once)."""
         t = time.perf_counter()
-        two = ids[:2]  # compiled batches have >= 2 rows (extract_async)
-        T = self.warm_len(two.shape[1])
-        self.forward(torch.nn.functional.pad(two, (0, T - two.shape[1]), value=self.pad_id))
+        if self.compiling is not None:
+            self.compiling.wait()
+            self.timings["compile_s"] = round(self.compiling.seconds, 2)
+            self.compiling = None
+        else:
+            two = ids[:2]  # compiled batches have >= 2 rows (extract_async)
+            T = self.warm_len(two.shape[1])
+            self.forward(torch.nn.functional.pad(two, (0, T - two.shape[1]), value=self.pad_id))
+            log.info("hf backend: warm-up forward at batch 2, length %d: %.1f s", T, time.perf_counter() - t)
         self.warm = True
         self.timings["warm_up_s"] = round(time.perf_counter() - t, 2)
-        log.info("hf backend: warm-up forward at batch 2, length %d: %.1f s", T, time.perf_counter() - t)
 
     def extract(self, batch: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.extract_async(batch)()

@@ -1,44 +1,77 @@
-"""The hf backend's compiled layers: which decoders the backend runs layer by layer, that loop, the
-compile, and the lengths a graph may be compiled at."""
+"""The hf backend's compiled layers: transformers' decoder layers compiled in place (`compile: true`),
+or the own layer function (`llama.make_layer`, `compile: layers`) compiled in a thread while the
+weights are copied in; and the lengths a graph may be compiled at."""
+
+import logging
+import threading
+import time
 
 import torch
 
-# decoders whose forward is exactly: embed, rotary, each layer, norm (no embedding scale, no
-# sliding-window masks), so running the layers in the backend's own loop gives the same states
-OWN_LOOP = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+from eaglenest.extraction.backends.llama import Decoder, rotary
 
-
-def runs_own_loop(decoder, mode, attn: str) -> bool:
-    """Whether the backend runs this decoder's layers itself (`compile: layers`, class docstring)."""
-    return mode == "layers" and type(decoder).__name__ in OWN_LOOP and attn == "sdpa"
-
-
-def run_layers(dec, ids: torch.Tensor, keep: tuple) -> tuple[list, torch.Tensor]:
-    """Embeddings, each layer (keeping the input of layer j where keep[j]), the final norm."""
-    h = dec.embed_tokens(ids)
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
-    rope = dec.rotary_emb(h, pos)
-    kept = []
-    for layer, k in zip(dec.layers, keep):
-        if k:
-            kept.append(h)
-        out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope, use_cache=False)
-        h = out[0] if isinstance(out, tuple) else out  # a tuple in older transformers
-    return kept, dec.norm(h)
+log = logging.getLogger(__name__)
 
 
 def compile_layers(decoder) -> list:
-    """Compile each decoder layer (dynamic shapes: one graph for every length and batch size)."""
+    """Compile each of transformers' decoder layers (dynamic shapes: one graph for every length and
+    batch size)."""
     layers = [m for m in decoder.modules() if type(m).__name__.endswith("DecoderLayer")]
     for m in layers:
         m.compile(dynamic=True)
     return layers
 
 
-def compile_length(T: int, hidden: int, head: int) -> int:
-    """T, or the next length that is not 2 (the rows), the hidden or the head size: dynamo gives equal
-    sizes one symbol and would specialise the graph to that length, so every other length would
-    compile again."""
-    while T in (2, hidden, head):
+def compile_length(T: int, avoid: set[int]) -> int:
+    """T, or the next length that is not 2 (the rows) nor one of `avoid` (the hidden, head, ... sizes):
+    dynamo gives equal sizes one symbol and would specialise the graph to that length, so every other
+    length would compile again."""
+    while T in avoid | {2}:
         T += 1
     return T
+
+
+class LayerCompile:
+    """The own layer function compiled (the rows and the length dynamic: one graph for every layer,
+    length and batch size) by running it once, in a thread, on two rows of zeros through layer 0's weights -- whatever
+    they hold yet: the copy may still be filling them. Safe beside the copy and the loop's start
+    because that code calls no nn.Module (fx's tracing patches `nn.Module.__call__` for every
+    thread) and leaves torch's default dtype alone (dynamo restores it after a compile). `wait`
+    installs the compiled function; every batch runs it, so the stored bytes never depend on when
+    the compile finished."""
+
+    def __init__(self, decoder: Decoder, device: str):
+        self.decoder, self.compiled = decoder, None
+        self.error, self.seconds = None, 0.0
+        self.thread = threading.Thread(target=self._run, args=(device,), name="compile-layer", daemon=True)
+        self.thread.start()
+
+    def _run(self, device: str) -> None:
+        t = time.perf_counter()
+        s = self.decoder.spec
+        try:
+            self.compiled = torch.compile(self.decoder.layer)  # imports dynamo: ~1 s, off the loading thread
+            w = self.decoder.per_layer[0]
+            sizes = {s.hidden, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim, w[6].shape[0]}
+            T = compile_length(67, sizes)
+            with torch.inference_mode():  # as the loop runs: the same guards
+                h = torch.zeros(2, T, s.hidden, dtype=w[0].dtype, device=device)
+                cos, sin = rotary(s, T, h.dtype, h.device)
+                # the rows and the length symbolic, the rest (weights, eps, ...) constants: a float
+                # traced as a symbol would make dynamo start over (2.3 s of the H200's compile)
+                for x, dims in ((h, (0, 1)), (cos, (0,)), (sin, (0,))):
+                    for dim in dims:
+                        torch._dynamo.mark_dynamic(x, dim)
+                self.compiled(h, cos, sin, w)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+        except BaseException as e:  # raised by `wait`, in the loop's thread
+            self.error = e
+        self.seconds = time.perf_counter() - t
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        self.decoder.layer = self.compiled
+        log.info("hf backend: the own layer compiled in %.1f s (in a thread, beside the load)", self.seconds)

@@ -1,12 +1,12 @@
-"""The hf backend's own weight loader: the decoder built by transformers from the target's config on
-the device, then its parameters filled straight from the safetensors files -- the file read into
-pinned buffers and copied to the GPU by DMA, several buffers in flight (an 8B target's 16 GB at
-11.8 GB/s on the H200) -- instead of transformers' loader. Most of a part's `load_s` is transformers'
-own import either way (bench/RESULTS.md, "seventh run"). Only where the files
-hold exactly the decoder's parameters, in its dtype; anything else (another dtype, extra or missing
-tensors, no safetensors) is reported by `plan_copy` and the caller loads through transformers. The
-gate's reference is loaded by transformers, independently of this path, so a wrong mapping here
-fails the gate."""
+"""The hf backend's own weight loader: parameters filled straight from the safetensors files -- the
+file read into pinned buffers and copied to the GPU by DMA, several buffers in flight (an 8B target's
+16 GB at 11.8 GB/s on the H200) -- instead of transformers' loader. The parameters are the own
+layers' (`llama.allocate`), or a decoder transformers built from the config on the device
+(`build_decoder`, for the decoders the own layers do not run). Only where the files hold exactly those
+parameters, in their dtype; anything else (another dtype, extra or missing tensors, no safetensors)
+is reported by `plan_copy`: the own layers then read through safetensors with a cast (`copy_cast`),
+transformers' decoder loads through transformers. The gate's reference is loaded by transformers,
+independently of this path, so a wrong mapping here fails the gate."""
 
 import json
 import logging
@@ -46,23 +46,23 @@ def build_decoder(model_dir: Path, dtype: str, device: str, attn: str):
     return model.eval().requires_grad_(False)
 
 
-def _header(path: Path) -> tuple[dict, int]:
+def read_header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(n)), 8 + n
 
 
-def plan_copy(model_dir: Path, decoder) -> list[tuple[Path, int, int, torch.Tensor]]:
-    """(file, byte offset, byte count, destination bytes) for every parameter of the decoder, in file
-    order; raises Unsupported unless the files hold each parameter once, in its shape and dtype
-    (a causal LM's `model.` prefix and its lm_head are allowed)."""
+def plan_copy(model_dir: Path, want: dict[str, torch.Tensor]) -> list[tuple[Path, int, int, torch.Tensor]]:
+    """(file, byte offset, byte count, destination bytes) for every parameter in `want` (name ->
+    tensor: a decoder's state_dict, or `llama.allocate`'s), in file order; raises Unsupported unless the
+    files hold each parameter once, in its shape and dtype (a causal LM's `model.` prefix and its
+    lm_head are allowed)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise Unsupported(f"no safetensors in {model_dir}")
-    want = decoder.state_dict(keep_vars=True)
     copies, seen = [], set()
     for path in files:
-        header, base = _header(path)
+        header, base = read_header(path)
         for name, meta in header.items():
             if name == "__metadata__" or name.startswith("lm_head."):
                 continue
@@ -134,3 +134,26 @@ def copy_weights(copies, device: str) -> int:
         for fd in fds.values():
             os.close(fd)
     return total
+
+
+def copy_cast(model_dir: Path, want: dict[str, torch.Tensor]) -> int:
+    """Fill `want` from the safetensors through the safetensors library, cast to each destination's
+    dtype: the slow path, for files in another dtype. An error names a tensor missing or misshapen."""
+    from safetensors import safe_open
+
+    done, n = set(), 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                key = name.removeprefix("model.")
+                if key not in want:
+                    continue
+                t = f.get_tensor(name)
+                if t.shape != want[key].shape:
+                    raise EaglenestError(f"{path}: {name} is {list(t.shape)}, expected {list(want[key].shape)}")
+                want[key].copy_(t)
+                done.add(key)
+                n += t.nbytes
+    if missing := sorted(set(want) - done):
+        raise EaglenestError(f"{model_dir}: {len(missing)} tensors missing from the safetensors, e.g. {missing[0]}")
+    return n
