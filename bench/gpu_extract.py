@@ -132,6 +132,8 @@ def run_part(ws: Path, part: str) -> dict:
     p = subprocess.run([sys.executable, "-m", "stages.extract", part, "--no-progress"], cwd=ws, env=env,
                        capture_output=True, text=True)  # fmt: skip
     outside_s = time.time() - t
+    (ws / "logs").mkdir(exist_ok=True)
+    (ws / "logs" / f"{part}.log").write_text(p.stderr)  # the stage's log, for a reader of the figures
     if p.returncode != 0:
         sys.exit(f"extract {part} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     rep = json.loads((ws / "reports" / "extract" / f"{part}.json").read_text())

@@ -126,9 +126,11 @@ def inv_freq(spec: Spec) -> torch.Tensor:
     return torch.where(between, blended, stretched)
 
 
-def rotary(spec: Spec, T: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] for positions 0..T-1 (right padding keeps every row's positions 0..)."""
-    freqs = torch.arange(T, device=device).float()[:, None] * inv_freq(spec).to(device)[None]
+def rotary(freq: torch.Tensor, T: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] for positions 0..T-1 (right padding keeps every row's positions 0..);
+    `freq`: `inv_freq` on the device (a copy from pageable host memory per batch would wait for the
+    batch running: the loop could launch nothing ahead)."""
+    freqs = torch.arange(T, device=freq.device).float()[:, None] * freq[None]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -176,6 +178,7 @@ class Decoder:
         self.spec, self.weights = spec, weights
         self.layer = make_layer(spec)  # replaced by its compiled form (hf backend)
         self.per_layer = [self.layer_weights(i) for i in range(spec.layers)]
+        self.inv_freq = inv_freq(spec).to(weights["norm.weight"].device)
 
     def layer_weights(self, i: int) -> tuple:
         w = self.weights
@@ -186,7 +189,7 @@ class Decoder:
         """The residual stream entering layer j where keep[j] (transformers' hidden_states[j]), and the
         final norm's output."""
         h = F.embedding(ids, self.weights["embed_tokens.weight"])
-        cos, sin = rotary(self.spec, ids.shape[1], h.dtype, h.device)
+        cos, sin = rotary(self.inv_freq, ids.shape[1], h.dtype)
         kept = []
         for w, k in zip(self.per_layer, keep):
             if k:
