@@ -157,9 +157,10 @@ def check_disk(ws: Path, tokens: int, cfg: dict) -> None:
 
 
 def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
-    """The gate alone on the part's store: seconds against validate.samples (reference load included)."""
-    from eaglenest.extraction.gate import ReferenceLoader
-    from eaglenest.extraction.loop import _gate
+    """The gate alone on the part's store, as the stage runs it (`reference_process`): seconds against
+    validate.samples -- the reference's load and its states (beside the extraction in the stage), the
+    comparison (after it)."""
+    from eaglenest.extraction.reference_process import ReferenceProcess, choose
     from eaglenest.store.hidden_store import HiddenStore
     from eaglenest.taps import resolve_taps
     from eaglenest.target import load_target
@@ -168,19 +169,19 @@ def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
     params = yaml.safe_load((ws / "params.yaml").read_text())
     taps = resolve_taps(params["extract"]["taps"], target.num_layers)  # the stage's own (-S may set them)
     store = HiddenStore(ws / "data" / "hidden" / part)
-    validate = params["validate"]
+    thresholds = {k: v for k, v in params["validate"].items() if k not in ("samples", "seed")}
     out = {}
     for n in samples:
         t = time.time()
-        loader = ReferenceLoader(target, taps, device)
+        ref = ReferenceProcess(target, taps, device, ws / "data" / "tokenized" / f"{part}.parquet",
+                               choose(len(store), n, int(params["validate"]["seed"])))  # fmt: skip
         try:
-            loader.get()
-            load_s = time.time() - t
-            m, _ = _gate(store, loader, taps, {**validate, "samples": n})
+            m, _ = ref.compare(store.path, thresholds)
         finally:
-            loader.close()
-        out[str(n)] = {"seconds": round(time.time() - t, 2), "reference_load_s": round(load_s, 2),
-                       "compare_s": m["seconds"], "tokens": m["tokens"]}  # fmt: skip
+            ref.close()
+        out[str(n)] = {"seconds": round(time.time() - t, 2), "reference_load_s": m["reference_load_s"],
+                       "reference_states_s": m["reference_states_s"],
+                       "compare_s": round(sum(m["seconds_by_step"].values()), 2), "tokens": m["tokens"]}  # fmt: skip
         print(f"gate, {n} samples: {out[str(n)]}", flush=True)
     return out
 

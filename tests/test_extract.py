@@ -14,7 +14,7 @@ import torch
 
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends.hf import HFBackend
-from eaglenest.extraction.gate import Reference, ReferenceLoader, token_stats
+from eaglenest.extraction.gate import Reference, token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 from eaglenest.taps import resolve_taps
@@ -303,34 +303,49 @@ def test_gate_rejects_injected_defects(smollm2, tmp_path, defect, tap):
     assert not m["validation"]["passed"] and any(f.startswith(tap) for f in m["validation"]["failures"])
 
 
-def test_reference_model_is_freed_after_the_gate(tiny_target):
+def test_reference_model_is_freed_and_runs_in_a_process_of_its_own(tiny_target, tmp_path):
     """The gate's float32 reference (32 GB for an 8B target) is gone when its gate ends, without
-    waiting for the cyclic GC: a process extracting several parts ran out of GPU memory on the 4th."""
+    waiting for the cyclic GC: a process extracting several parts ran out of GPU memory on the 4th.
+    Its states taken ahead (`precompute`), all of it but the lm_head is freed and the states are
+    those it would compute. In the stage it runs in a process of its own (`ReferenceProcess`): a
+    reference that fails to load, or a process that dies, is an error that commits nothing."""
     import gc
+    import signal
     import weakref
 
+    from eaglenest.extraction.reference_process import ReferenceProcess, choose
+
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    ids = np.arange(3, 12)
     gc.disable()
     try:
-        with Reference(tiny_target, resolve_taps("auto", tiny_target.num_layers)) as ref:
+        with Reference(tiny_target, taps) as ref:
             model = weakref.ref(ref.model)
-            assert ref.states(np.arange(3, 12))["final"].shape == (9, tiny_target.hidden_size)
+            direct = ref.states(ids)
+            assert direct["final"].shape == (9, tiny_target.hidden_size)
+            ref.precompute([ids])
+            ref.keep_head_only()
+            assert model() is None and ref.head is not None
+            again = ref.states(ids)
+            assert all(torch.equal(direct[k], again[k]) for k in direct)
+            with pytest.raises(EaglenestError, match="no reference states for a sample of 4 tokens"):
+                ref.states(ids[:4])
         del ref
-        assert model() is None
-        # loaded in a thread beside the forward loop (extract_part): the same, and freed by close()
-        loader = ReferenceLoader(tiny_target, resolve_taps("auto", tiny_target.num_layers), "cpu")
-        model = weakref.ref(loader.get().model)
-        assert loader.load_s > 0 and model() is not None
-        loader.close()
-        assert model() is None
     finally:
         gc.enable()
+    assert choose(10, 4, 0) == sorted(choose(10, 4, 0)) and len(set(choose(10, 4, 0))) == 4
+    tok = write_tokenized(tmp_path / "p.parquet", [ids.astype(np.int32)])
     broken = dataclasses.replace(tiny_target, model_dir=tiny_target.model_dir / "missing")
-    loader = ReferenceLoader(broken, [1, 2, 3], "cpu")
-    with pytest.raises(Exception, match="missing"):  # the load's error is raised where the gate needs it
-        loader.get()
-    loader.close()
-
-
+    ref = ReferenceProcess(broken, taps, "cpu", tok, [0])
+    with pytest.raises(EaglenestError, match="reference failed \\(loading the float32 reference\\).*missing"):
+        ref.compare(tmp_path, gate(1))
+    ref.close()
+    ref = ReferenceProcess(tiny_target, taps, "cpu", tok, [0])
+    os.kill(ref.proc.pid, signal.SIGKILL)
+    with pytest.raises(EaglenestError, match="reference process died"):
+        ref.compare(tmp_path, gate(1))
+    ref.close()
+    assert not ref.proc.is_alive()
 def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
     taps = resolve_taps("auto", smollm2.num_layers)
     tok = write_tokenized(tmp_path / "p.parquet", random_samples(6, 20000, 20, 80, seed=3))

@@ -6,7 +6,6 @@ Beside each, the same figures against the ADJACENT reference tap (j+1; for `fina
 state) so a reader sees the margin between precision noise and an off-by-one defect."""
 
 import logging
-import threading
 import time
 
 import numpy as np
@@ -22,13 +21,17 @@ THRESHOLDS = ("min_cosine_mean", "min_cosine_token", "max_rel_err_mean", "max_re
 
 class Reference:
     """The float32 reference model; a context manager that frees it on exit (an 8B target's copy is
-    32 GB: a process that extracts several parts must not keep one per gate)."""
+    32 GB: a process that extracts several parts must not keep one per gate). `precompute` takes the
+    gate's samples' states ahead of the comparison, after which `keep_head_only` frees all of the model
+    but its lm_head (`reference_process`: the states are taken while the extraction compiles)."""
 
     def __init__(self, target: Target, taps: list[int], device: str = "cpu"):
         self.model = load_model(target, dtype="float32", device=device, attn="eager")
         self.decoder = self.model.get_decoder()
+        self.head = self.model.get_output_embeddings()
         self.taps, self.device, self.L = list(taps), device, target.num_layers
         self._prenorm, self._hook = None, None
+        self._done = {}  # the samples' token bytes -> their states, on the host (`precompute`)
         norm = getattr(self.decoder, "norm", None)
         if norm is not None:
             self._hook = norm.register_forward_pre_hook(lambda _m, args: setattr(self, "_prenorm", args[0]))
@@ -37,13 +40,28 @@ class Reference:
         return self
 
     def __exit__(self, *exc):
+        self.keep_head_only()
+        self.head = self._done = None
+
+    def keep_head_only(self) -> None:
         if self._hook is not None:  # the hook holds self: a cycle only the cyclic GC would free
             self._hook.remove()
         self.model = self.decoder = self._prenorm = self._hook = None
 
+    def precompute(self, samples: list[np.ndarray]) -> None:
+        for ids in samples:
+            key = np.asarray(ids, dtype=np.int64).tobytes()
+            self._done[key] = {k: v.cpu() for k, v in self.states(ids).items()}
+
     @torch.inference_mode()
     def states(self, ids: np.ndarray) -> dict:
         """The reference's states for one sample, float32, on its device (compared there)."""
+        done = self._done.get(np.asarray(ids, dtype=np.int64).tobytes())
+        if done is not None:
+            return {k: v.to(self.device) for k, v in done.items()}
+        if self.decoder is None:
+            raise EaglenestError(f"validation gate: no reference states for a sample of {len(ids)} tokens whose "
+                                 "ids differ from every sample of the tokenized part it was chosen from")  # fmt: skip
         x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(self.device)
         out = self.decoder(input_ids=x, output_hidden_states=True, use_cache=False)
         hs = out.hidden_states
@@ -60,47 +78,9 @@ class Reference:
     def lm_head_cosine(self, final: torch.Tensor, ref_final: torch.Tensor) -> torch.Tensor:
         """Per-token cosine between lm_head(stored final) and lm_head(reference final): the logits the
         model computes from its last hidden state, without a second forward (informational)."""
-        head = self.model.get_output_embeddings()
-        mine = head(final.to(self.device)).float()
-        theirs = head(ref_final.to(self.device)).float()
+        mine = self.head(final.to(self.device)).float()
+        theirs = self.head(ref_final.to(self.device)).float()
         return torch.nn.functional.cosine_similarity(mine, theirs, dim=-1)
-
-
-class ReferenceLoader:
-    """Builds the `Reference` in a thread, so its load (for an 8B target, 32 GB of float32 weights)
-    overlaps the forward loop instead of following it. `get()` waits for it; `close()` frees it.
-    The reference is the same independent model either way; only its load moves earlier. The
-    extraction starts it once the first batch is launched, after the hf backend's compile; should a
-    graph compile again beside it, that is safe: transformers' load sets torch's process-wide default
-    dtype and dynamo restores it after each compile, but for a float32 model both set it to float32,
-    the default (a bfloat16 load beside a compile once left the process on bfloat16)."""
-
-    def __init__(self, target: Target, taps: list[int], device: str):
-        self.ref = self.error = None
-        self.load_s = 0.0
-        self.thread = threading.Thread(target=self._load, args=(target, taps, device), name="gate-reference")
-        self.thread.daemon = True  # a failed run never waits for it at exit
-        self.thread.start()
-
-    def _load(self, target, taps, device):
-        t = time.perf_counter()
-        try:
-            self.ref = Reference(target, taps, device=device)
-        except BaseException as e:  # raised where the gate needs it, by `get`
-            self.error = e
-        self.load_s = time.perf_counter() - t
-
-    def get(self) -> "Reference":
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.ref
-
-    def close(self) -> None:
-        self.thread.join()
-        if self.ref is not None:
-            self.ref.__exit__(None, None, None)
-            self.ref = None
 
 
 def token_stats(stored: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

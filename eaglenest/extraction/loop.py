@@ -16,20 +16,18 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import zarr
 from tqdm import tqdm
 
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
-from eaglenest.extraction.gate import ReferenceLoader, run_gate
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized
+from eaglenest.extraction.reference_process import ReferenceProcess, choose
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
-from eaglenest.store.bf16 import from_bits
 from eaglenest.store.hidden_store import (
     SCHEMA_VERSION,
     TAP_SEMANTICS,
@@ -141,20 +139,16 @@ def _extract_part(
     mine = share(open_windows, 0, world)
     t_compute = time.time()
     workers = freeing = None
-    if mine and getattr(backend, "loaded", True) is False:  # the hf backend
-        backend.load()
-    # The gate's float32 reference loads in a thread while the forward loop runs (validate.samples 0:
-    # no gate), started once the first batch is launched: after the backend's own load (one load at a
-    # time, `target.LOADING`) and after its compile: both are Python on one GIL (on the H200 the
-    # stage's cold warm-up took 12.9-15.5 s beside the load, one layer's compile alone 7.4 s).
-    refs = []
-
-    def start_reference():
-        if not refs and gate_samples(validate_cfg) > 0:
-            refs.append(ReferenceLoader(target, taps, described.get("device", "cpu")))
-
-    loader = None
+    # the gate's reference, in a process of its own from here on (`reference_process`): it loads and
+    # takes the gate's samples' states while this process loads and compiles
+    n_gate, seed = gate_samples(validate_cfg), int((validate_cfg or {}).get("seed", 0))
+    reference = None
     try:
+        if n_gate > 0:
+            reference = ReferenceProcess(target, taps, described.get("device", "cpu"), tokenized,
+                                         choose(len(seqs), n_gate, seed))  # fmt: skip
+        if mine and getattr(backend, "loaded", True) is False:  # the hf backend
+            backend.load()
         if world > 1 and len(open_windows) > 1:
             if backend_spec is None:
                 raise EaglenestError(f"{part}: extraction over {world} devices needs the backend's name and options")
@@ -182,10 +176,8 @@ def _extract_part(
             ) as bar,
         ):
             clock, writer, pool, drain_s = extract_pieces(
-                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar, start_reference
+                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar
             )
-        start_reference()  # no batch ran here (all resumed, or on the other devices)
-        loader = refs[0] if refs else None
         # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
         freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
         freeing.start()
@@ -202,7 +194,7 @@ def _extract_part(
         store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
         t_gate = time.time()
-        gate_metrics, passed = _gate(store, loader, taps, validate_cfg)
+        gate_metrics, passed = _gate(store, reference, validate_cfg)
         gate_s = time.time() - t_gate
         stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
         raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
@@ -230,9 +222,9 @@ def _extract_part(
             "fixed_cost": {
                 "prepare_s": round(t_compute - t0, 2),  # read tokens, input digest, plan, sample keys
                 **getattr(backend, "timings", {}),  # load_s, warm_up_s: inside extract_seconds
-                "gate_s": round(gate_s, 2),  # waiting for the reference + comparing
-                # its load, overlapped with the forward loop (not on the critical path)
-                "reference_load_s": round(loader.load_s, 2) if loader else 0.0,
+                "gate_s": round(gate_s, 2),  # waiting for the reference's states + comparing
+                # its load and states, in its own process beside the load, compile and loop
+                **{k: gate_metrics.get(k, 0.0) for k in ("reference_load_s", "reference_states_s")},
             },
         }
         if not passed:
@@ -249,8 +241,8 @@ def _extract_part(
             stop(workers)
         if freeing is not None:
             freeing.join()
-        for ref in refs:  # the reference is freed with the run, whatever happened
-            ref.close()
+        if reference is not None:  # the reference process ends with the run, whatever happened
+            reference.close()
 
 
 class GateFailed(EaglenestError):
@@ -266,23 +258,15 @@ def gate_samples(cfg: dict | None) -> int:
     return int((cfg or {}).get("samples", 8))
 
 
-def _gate(store: HiddenStore, loader: ReferenceLoader | None, taps, cfg: dict) -> tuple[dict, bool]:
-    cfg = dict(cfg or {})
-    n, seed = gate_samples(cfg), int(cfg.pop("seed", 0))
-    cfg.pop("samples", None)
-    if loader is None:  # validate.samples <= 0: benchmarks of the store path with synthetic states only
+def _gate(store: HiddenStore, reference: ReferenceProcess | None, cfg: dict) -> tuple[dict, bool]:
+    thresholds = {k: v for k, v in (cfg or {}).items() if k not in ("samples", "seed")}
+    if reference is None:  # validate.samples <= 0: benchmarks of the store path with synthetic states only
         log.warning("validation gate DISABLED (validate.samples: 0): nothing checks these states")
         return {"samples": 0, "disabled": True, "passed": True, "taps": {}}, True
-    chosen = sorted(np.random.default_rng(seed).choice(len(store), size=min(n, len(store)), replace=False).tolist())
-
-    def read(i):
-        ids, aux, final = store.read(i)
-        return ids, from_bits(aux), from_bits(final)
-
     t = time.time()
-    metrics, passed = run_gate(read, chosen, loader.get(), cfg)
-    metrics["sample_ids"] = [store.index[i]["id"] for i in chosen]
-    metrics["seed"] = seed
+    metrics, passed = reference.compare(store.path, thresholds)
+    metrics["sample_ids"] = [store.index[i]["id"] for i in reference.chosen]
+    metrics["seed"] = int((cfg or {}).get("seed", 0))
     metrics["seconds"] = round(time.time() - t, 2)
     log.info(
         "validation gate %s on %d samples / %d tokens: %s",

@@ -105,10 +105,10 @@ class PieceFill:
 
 
 def extract_pieces(windows, todo, seqs, names, keys, backend, layout: Layout, work: WorkDir, batch_tokens: int,
-                   writers: int, bar, on_first_launch=None) -> tuple[dict, PieceWriter, BufferPool, float]:  # fmt: skip
+                   writers: int, bar) -> tuple[dict, PieceWriter, BufferPool, float]:  # fmt: skip
     """The pieces of `windows` (`plan.plan_windows`) whose index is in `todo` through the backend into
     the work store: `writers` background writers (processes when > 1), pooled piece buffers, two fill
-    threads; `on_first_launch()` runs once the first batch is launched (its compile done). Returns
+    threads. Returns
     (where the loop waited, the closed writer, the pool, seconds spent draining the writers); the pool
     still holds its buffers (GBs) for the caller to free, beside the gate. On failure the pool is
     freed here."""
@@ -119,8 +119,7 @@ def extract_pieces(windows, todo, seqs, names, keys, backend, layout: Layout, wo
         with ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
             try:
                 clock = run_pieces(
-                    windows, todo, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool,
-                    on_first_launch,
+                    windows, todo, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
                 )  # fmt: skip
                 t_drain = time.perf_counter()
             finally:
@@ -132,7 +131,7 @@ def extract_pieces(windows, todo, seqs, names, keys, backend, layout: Layout, wo
 
 
 def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer,
-               pool, on_first_launch=None) -> dict:  # fmt: skip
+               pool) -> dict:  # fmt: skip
     """Every batch of each window that holds a piece in `todo`, the next batch always launched before
     the current one's outputs are awaited, so the GPU never waits on the host; each piece goes to the
     writer (copies still running) once its last sample is in. A batch is run whole even where some of
@@ -168,8 +167,6 @@ def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch
 
     filling: dict[int, PieceFill] = {}
     inflight = start(next(work, None))
-    if inflight is not None and on_first_launch is not None:
-        on_first_launch()
     try:
         while inflight is not None:
             batch, wait = inflight

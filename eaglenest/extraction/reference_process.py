@@ -1,0 +1,119 @@
+"""The validation gate's float32 reference in a process of its own, started with the part: it loads the
+reference and takes the gate's samples' states while the extraction loads and compiles (a GPU idles
+then), frees the model but its lm_head, and once the part's store is complete compares the stored
+states with them (`gate.run_gate`) and sends back the figures. A process of its own because in the
+extracting one the reference could run beside neither the own layer's compile (fx's tracing patches
+`nn.Module` for every thread) nor the forward loop (on the H200 a 2.6M-token part's loop lost 6.9 s to
+the reference loading beside it: one GIL); after the loop it cost ~10 s of wall clock.
+The reference is the same independent model (transformers, float32, eager, one sample at a time);
+the samples are the seeded choice the gate always made."""
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from eaglenest.errors import EaglenestError
+from eaglenest.target import Target
+
+log = logging.getLogger(__name__)
+
+
+def choose(n_samples: int, want: int, seed: int) -> list[int]:
+    """The gate's samples: a seeded choice among the part's, in the part's order."""
+    rng = np.random.default_rng(seed)
+    return sorted(rng.choice(n_samples, size=min(want, n_samples), replace=False).tolist())
+
+
+class ReferenceProcess:
+    """Starts the process; `compare` hands it the complete store and returns (metrics, passed);
+    `close` ends it, whatever happened."""
+
+    def __init__(self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int]):
+        self.chosen = chosen
+        self.ready = None  # what the process reports once its states are taken
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state inherited
+        self.conn, child = ctx.Pipe()
+        job = (target, list(taps), device, str(tokenized), chosen, os.getpid())
+        self.proc = ctx.Process(target=_serve, args=(job, child), name="gate-reference", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def _recv(self, what: str):
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join()
+            raise EaglenestError(f"validation gate: the reference process died ({what}; exit code "
+                                 f"{self.proc.exitcode}); nothing committed") from None  # fmt: skip
+        if "error" in msg:
+            log.error("validation gate: the reference process failed:\n%s", msg["traceback"])
+            raise EaglenestError(f"validation gate: the reference failed ({what}): {msg['error']}; nothing committed")
+        return msg
+
+    def compare(self, store: Path, thresholds: dict) -> tuple[dict, bool]:
+        """Waits for the reference's states, then has the process compare the store's samples."""
+        t = time.perf_counter()
+        self.ready = self._recv("loading the float32 reference")
+        waited = time.perf_counter() - t
+        self.conn.send((str(store), thresholds))
+        metrics, passed = self._recv("comparing")["result"]
+        metrics["reference_wait_s"] = round(waited, 2)  # what the part waited for the states, if anything
+        metrics.update(self.ready)
+        return metrics, passed
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)  # no comparison (a failed run): the process ends
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def _serve(job, conn) -> None:
+    target, taps, device, tokenized, chosen, parent = job
+
+    def watch():  # ends with the extraction, whatever ended it
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        from eaglenest.extraction.gate import Reference, run_gate
+        from eaglenest.extraction.plan import read_tokenized
+        from eaglenest.store.bf16 import from_bits
+        from eaglenest.store.hidden_store import HiddenStore
+
+        t = time.perf_counter()
+        ref = Reference(target, taps, device)
+        loaded = time.perf_counter()
+        seqs = read_tokenized(Path(tokenized))[1]
+        ref.precompute([seqs[i] for i in chosen])
+        ref.keep_head_only()
+        conn.send(
+            {"reference_load_s": round(loaded - t, 2), "reference_states_s": round(time.perf_counter() - loaded, 2)}
+        )
+        msg = conn.recv()
+        if msg is None:
+            return
+        path, thresholds = msg
+        store = HiddenStore(Path(path), check_metadata=False)
+
+        def read(i):
+            ids, aux, final = store.read(i)
+            return ids, from_bits(aux), from_bits(final)
+
+        with ref:
+            conn.send({"result": run_gate(read, chosen, ref, thresholds)})
+    except BaseException as e:
+        conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
