@@ -346,6 +346,8 @@ def test_reference_model_is_freed_and_runs_in_a_process_of_its_own(tiny_target, 
         ref.compare(tmp_path, gate(1))
     ref.close()
     assert not ref.proc.is_alive()
+
+
 def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
     taps = resolve_taps("auto", smollm2.num_layers)
     tok = write_tokenized(tmp_path / "p.parquet", random_samples(6, 20000, 20, 80, seed=3))
