@@ -307,8 +307,9 @@ def test_reference_model_is_freed_and_runs_in_a_process_of_its_own(tiny_target, 
     """The gate's float32 reference (32 GB for an 8B target) is gone when its gate ends, without
     waiting for the cyclic GC: a process extracting several parts ran out of GPU memory on the 4th.
     Its states taken ahead (`precompute`), all of it but the lm_head is freed and the states are
-    those it would compute. In the stage it runs in a process of its own (`ReferenceProcess`): a
-    reference that fails to load, or a process that dies, is an error that commits nothing."""
+    those it would compute. On a GPU the stage runs it in a process of its own (`ReferenceProcess`):
+    the same figures as in the stage's process; a reference that fails to load, or a process that
+    dies, is an error that commits nothing."""
     import gc
     import signal
     import weakref
@@ -334,6 +335,15 @@ def test_reference_model_is_freed_and_runs_in_a_process_of_its_own(tiny_target, 
     finally:
         gc.enable()
     assert choose(10, 4, 0) == sorted(choose(10, 4, 0)) and len(set(choose(10, 4, 0))) == 4
+    # on the CPU the stage's gate runs here; in its own process (a GPU's way) the figures are the same
+    seqs = random_samples(12, 500, 10, 60, seed=8)
+    here = extract_small(tiny_target, write_tokenized(tmp_path / "t.parquet", seqs), tmp_path / "s", tmp_path / "w")
+    ref = ReferenceProcess(tiny_target, taps, "cpu", tmp_path / "t.parquet", choose(len(seqs), 2, 0))
+    try:
+        there, passed = ref.compare(tmp_path / "s", gate(2))
+    finally:
+        ref.close()
+    assert passed and there["taps"] == here["validation"]["taps"] and there["reference_states_s"] > 0
     tok = write_tokenized(tmp_path / "p.parquet", [ids.astype(np.int32)])
     broken = dataclasses.replace(tiny_target, model_dir=tiny_target.model_dir / "missing")
     ref = ReferenceProcess(broken, taps, "cpu", tok, [0])

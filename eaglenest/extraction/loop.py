@@ -24,7 +24,7 @@ from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, 
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized
-from eaglenest.extraction.reference_process import ReferenceProcess, choose
+from eaglenest.extraction.reference_process import ReferenceProcess, choose, start_reference
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
@@ -139,14 +139,15 @@ def _extract_part(
     mine = share(open_windows, 0, world)
     t_compute = time.time()
     workers = freeing = None
-    # the gate's reference, in a process of its own from here on (`reference_process`): it loads and
-    # takes the gate's samples' states while this process loads and compiles
+    # the gate's reference: on a GPU in a process of its own from here on, loading and taking the gate's
+    # samples' states while this process loads and compiles; on the CPU here, after the loop
+    # (`reference_process`)
     n_gate, seed = gate_samples(validate_cfg), int((validate_cfg or {}).get("seed", 0))
     reference = None
     try:
         if n_gate > 0:
-            reference = ReferenceProcess(target, taps, described.get("device", "cpu"), tokenized,
-                                         choose(len(seqs), n_gate, seed))  # fmt: skip
+            reference = start_reference(target, taps, described.get("device", "cpu"), tokenized,
+                                        choose(len(seqs), n_gate, seed))  # fmt: skip
         if mine and getattr(backend, "loaded", True) is False:  # the hf backend
             backend.load()
         if world > 1 and len(open_windows) > 1:
@@ -223,7 +224,8 @@ def _extract_part(
                 "prepare_s": round(t_compute - t0, 2),  # read tokens, input digest, plan, sample keys
                 **getattr(backend, "timings", {}),  # load_s, warm_up_s: inside extract_seconds
                 "gate_s": round(gate_s, 2),  # waiting for the reference's states + comparing
-                # its load and states, in its own process beside the load, compile and loop
+                # its load and states: on a GPU in its own process beside the load, compile and loop (not
+                # in gate_s); on the CPU its load is part of gate_s
                 **{k: gate_metrics.get(k, 0.0) for k in ("reference_load_s", "reference_states_s")},
             },
         }

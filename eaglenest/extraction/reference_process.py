@@ -6,7 +6,10 @@ extracting one the reference could run beside neither the own layer's compile (f
 `nn.Module` for every thread) nor the forward loop (on the H200 a 2.6M-token part's loop lost 6.9 s to
 the reference loading beside it: one GIL); after the loop it cost ~10 s of wall clock.
 The reference is the same independent model (transformers, float32, eager, one sample at a time);
-the samples are the seeded choice the gate always made."""
+the samples are the seeded choice the gate always made. On the CPU the reference runs in the
+extracting process, after the loop (`LocalReference`): there it has no compile or launch-bound loop
+to stay clear of, and a second process's start, imports and load only compete with the extraction
+for the same cores."""
 
 import logging
 import multiprocessing
@@ -28,6 +31,34 @@ def choose(n_samples: int, want: int, seed: int) -> list[int]:
     """The gate's samples: a seeded choice among the part's, in the part's order."""
     rng = np.random.default_rng(seed)
     return sorted(rng.choice(n_samples, size=min(want, n_samples), replace=False).tolist())
+
+
+def start_reference(target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int]):
+    """The gate's reference for a part extracted on `device`: a process of its own on an accelerator,
+    in this process on the CPU (module docstring)."""
+    cls = LocalReference if device == "cpu" else ReferenceProcess
+    return cls(target, taps, device, tokenized, chosen)
+
+
+class LocalReference:
+    """The same interface in this process: `compare` loads the reference and compares."""
+
+    def __init__(self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int]):
+        self.target, self.taps, self.device, self.chosen = target, list(taps), device, chosen
+
+    def compare(self, store: Path, thresholds: dict) -> tuple[dict, bool]:
+        from eaglenest.extraction.gate import Reference
+
+        t = time.perf_counter()
+        ref = Reference(self.target, self.taps, self.device)
+        load_s = time.perf_counter() - t
+        metrics, passed = _compare(ref, store, self.chosen, thresholds)
+        # here the states are taken in the comparison: `seconds_by_step.reference_s`
+        metrics.update(reference_load_s=round(load_s, 2), reference_states_s=0.0)
+        return metrics, passed
+
+    def close(self) -> None:
+        pass
 
 
 class ReferenceProcess:
@@ -79,6 +110,22 @@ class ReferenceProcess:
         self.conn.close()
 
 
+def _compare(ref, store: Path, chosen: list[int], thresholds: dict) -> tuple[dict, bool]:
+    """The chosen samples of the complete store against the reference (freed after)."""
+    from eaglenest.extraction.gate import run_gate
+    from eaglenest.store.bf16 import from_bits
+    from eaglenest.store.hidden_store import HiddenStore
+
+    store = HiddenStore(Path(store), check_metadata=False)
+
+    def read(i):
+        ids, aux, final = store.read(i)
+        return ids, from_bits(aux), from_bits(final)
+
+    with ref:
+        return run_gate(read, chosen, ref, thresholds)
+
+
 def _serve(job, conn) -> None:
     target, taps, device, tokenized, chosen, parent = job
 
@@ -89,10 +136,8 @@ def _serve(job, conn) -> None:
 
     threading.Thread(target=watch, daemon=True).start()
     try:
-        from eaglenest.extraction.gate import Reference, run_gate
+        from eaglenest.extraction.gate import Reference
         from eaglenest.extraction.plan import read_tokenized
-        from eaglenest.store.bf16 import from_bits
-        from eaglenest.store.hidden_store import HiddenStore
 
         t = time.perf_counter()
         ref = Reference(target, taps, device)
@@ -100,20 +145,10 @@ def _serve(job, conn) -> None:
         seqs = read_tokenized(Path(tokenized))[1]
         ref.precompute([seqs[i] for i in chosen])
         ref.keep_head_only()
-        conn.send(
-            {"reference_load_s": round(loaded - t, 2), "reference_states_s": round(time.perf_counter() - loaded, 2)}
-        )
+        states_s = time.perf_counter() - loaded
+        conn.send({"reference_load_s": round(loaded - t, 2), "reference_states_s": round(states_s, 2)})
         msg = conn.recv()
-        if msg is None:
-            return
-        path, thresholds = msg
-        store = HiddenStore(Path(path), check_metadata=False)
-
-        def read(i):
-            ids, aux, final = store.read(i)
-            return ids, from_bits(aux), from_bits(final)
-
-        with ref:
-            conn.send({"result": run_gate(read, chosen, ref, thresholds)})
+        if msg is not None:
+            conn.send({"result": _compare(ref, Path(msg[0]), chosen, msg[1])})
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
