@@ -2,8 +2,8 @@
 
     python -m stages.extract <part>
     params: extract.* (backend, taps, dtype, device, devices, batch_tokens, writers, revision, work_dir;
-            extract.hf.compile for the hf backend: auto = layers on CUDA (each decoder layer compiled,
-            run by the backend's own loop), true = inside transformers' forward;
+            extract.hf.compile for the hf backend: auto = layers on CUDA (the backend's own layers for
+            Llama, Mistral, Qwen2 and Qwen3, one compiled graph), true = inside transformers' forward;
             extract.sglang.* for the sglang backend: server_url or launch-and-stop, concurrency,
             retries, capture_dir; extract.vllm.* for the vllm backend: python, server_args, concurrency),
             store.* (codec, level, chunk_mb, shard_mb, states: bf16 | fp8), validate.* (gate),
