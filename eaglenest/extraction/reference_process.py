@@ -4,7 +4,8 @@ then), frees the model but its lm_head, and once the part's store is complete co
 states with them (`gate.run_gate`) and sends back the figures. A process of its own because in the
 extracting one the reference could run beside neither the own layer's compile (fx's tracing patches
 `nn.Module` for every thread) nor the forward loop (on the H200 a 2.6M-token part's loop lost 6.9 s to
-the reference loading beside it: one GIL); after the loop it cost ~10 s of wall clock.
+the reference loading beside it: one GIL); after the loop it would cost its load (~5.5 s) on top of
+the comparison.
 The reference is the same independent model (transformers, float32, eager, one sample at a time);
 the samples are the seeded choice the gate always made. On the CPU the reference runs in the
 extracting process, after the loop (`LocalReference`): there it has no compile or launch-bound loop
