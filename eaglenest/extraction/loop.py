@@ -24,7 +24,7 @@ from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, 
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized
-from eaglenest.extraction.reference_process import ReferenceProcess, choose, start_reference
+from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.hashing import sha256_file, sha256_text
 from eaglenest.store import states as state_format
@@ -260,7 +260,7 @@ def gate_samples(cfg: dict | None) -> int:
     return int((cfg or {}).get("samples", 8))
 
 
-def _gate(store: HiddenStore, reference: ReferenceProcess | None, cfg: dict) -> tuple[dict, bool]:
+def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict) -> tuple[dict, bool]:
     thresholds = {k: v for k, v in (cfg or {}).items() if k not in ("samples", "seed")}
     if reference is None:  # validate.samples <= 0: benchmarks of the store path with synthetic states only
         log.warning("validation gate DISABLED (validate.samples: 0): nothing checks these states")

@@ -33,12 +33,12 @@ def compile_length(T: int, avoid: set[int]) -> int:
 
 class LayerCompile:
     """The own layer function compiled (the rows and the length dynamic: one graph for every layer,
-    length and batch size) by running it once, in a thread, on two rows of zeros through layer 0's weights -- whatever
-    they hold yet: the copy may still be filling them. Safe beside the copy and the loop's start
-    because that code calls no nn.Module (fx's tracing patches `nn.Module.__call__` for every
-    thread) and leaves torch's default dtype alone (dynamo restores it after a compile). `wait`
-    installs the compiled function; every batch runs it, so the stored bytes never depend on when
-    the compile finished."""
+    length and batch size) by running it once, in a thread, on two rows of zeros through layer 0's
+    weights -- whatever they hold yet: the copy may still be filling them. Safe beside the copy and
+    the loop's start because that code calls no nn.Module (fx's tracing patches `nn.Module.__call__`
+    for every thread) and leaves torch's default dtype alone (dynamo restores it after a compile).
+    `wait` installs the compiled function; every batch runs it, so the stored bytes never depend on
+    when the compile finished."""
 
     def __init__(self, decoder: Decoder, device: str):
         self.decoder, self.compiled = decoder, None
