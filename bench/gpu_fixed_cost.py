@@ -36,7 +36,7 @@ def load(model: Path, how: str) -> dict:
     torch.empty(1, device="cuda")
     cuda = time.perf_counter() - t
     spec = llama.plan(model)
-    weights = llama.allocate(spec, model, torch.bfloat16, "cuda")
+    weights = llama.allocate(spec, torch.bfloat16, "cuda")
     built = time.perf_counter() - t
     n = copy_weights(plan_copy(model, weights), "cuda")
     s = time.perf_counter() - t
@@ -57,7 +57,7 @@ def compile_layer(model: Path) -> dict:
 
     t0 = time.perf_counter()
     spec = dataclasses.replace(llama.plan(model), layers=1)
-    dec = llama.Decoder(spec, llama.allocate(spec, model, torch.bfloat16, DEVICE))
+    dec = llama.Decoder(spec, llama.allocate(spec, torch.bfloat16, DEVICE))
     built = time.perf_counter() - t0
     t = time.perf_counter()
     job = LayerCompile(dec, DEVICE)

@@ -122,7 +122,7 @@ def test_own_layers_equal_transformers_bit_for_bit(tmp_path, family):
     ids = torch.from_numpy(np.stack(random_samples(3, 512, 40, 40, seed=3))).long()
     for dtype in (torch.float32, torch.bfloat16):
         ref = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
-        weights = llama.allocate(spec, path, dtype, "cpu")
+        weights = llama.allocate(spec, dtype, "cpu")
         copy_cast(path, weights)
         with torch.inference_mode():
             out = ref(input_ids=ids, output_hidden_states=True, use_cache=False)

@@ -115,7 +115,7 @@ class HFBackend:
 
     def _load_own(self) -> None:
         t = time.perf_counter()
-        weights = llama.allocate(self.own, self.target.model_dir, getattr(torch, self.dtype), self.device)
+        weights = llama.allocate(self.own, getattr(torch, self.dtype), self.device)
         self.decoder = llama.Decoder(self.own, weights)
         built = time.perf_counter()
         if self.compile:  # beside the copy; the first batch waits for it (`warm_up`)

@@ -52,7 +52,7 @@ class LayerCompile:
         try:
             self.compiled = torch.compile(self.decoder.layer)  # imports dynamo: ~1 s, off the loading thread
             w = self.decoder.per_layer[0]
-            sizes = {s.hidden, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim, w[6].shape[0]}
+            sizes = {s.hidden, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate}
             T = compile_length(67, sizes)
             with torch.inference_mode():  # as the loop runs: the same guards
                 h = torch.zeros(2, T, s.hidden, dtype=w[0].dtype, device=device)

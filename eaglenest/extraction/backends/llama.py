@@ -29,6 +29,8 @@ VERSION = "eaglenest-llama-1"  # in the extractor fingerprint: states computed b
 class Spec:
     layers: int
     hidden: int
+    intermediate: int
+    vocab: int
     heads: int
     kv_heads: int
     head_dim: int
@@ -63,6 +65,7 @@ def plan(model_dir: Path) -> Spec:
         raise Unsupported(f"sliding-window attention ({cfg['sliding_window']})")
     heads = cfg["num_attention_heads"]
     spec = dict(layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=heads,
+                intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                 kv_heads=cfg.get("num_key_value_heads") or heads, eps=float(cfg["rms_norm_eps"]),
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rope=_rope_config(cfg))  # fmt: skip
     names = set()
@@ -86,27 +89,25 @@ def expected_names(spec: Spec) -> list[str]:
     return ["embed_tokens.weight", "norm.weight"] + [f"layers.{i}.{n}" for i in range(spec.layers) for n in layer]
 
 
-def _shape(spec: Spec, name: str, vocab: int) -> tuple:
-    q, kv, h = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.hidden
-    for key, shape in (("embed_tokens", (vocab, h)), ("q_norm", (spec.head_dim,)), ("k_norm", (spec.head_dim,)),
-                       ("layernorm", (h,)), ("norm.weight", (h,)), ("q_proj.weight", (q, h)), ("q_proj.bias", (q,)),
-                       ("k_proj.weight", (kv, h)), ("v_proj.weight", (kv, h)), ("k_proj.bias", (kv,)),
-                       ("v_proj.bias", (kv,)), ("o_proj.weight", (h, q)), ("o_proj.bias", (h,))):  # fmt: skip
-        if key in name:
-            return shape
-    return None  # the MLP's: intermediate size from the config
-
-
-def allocate(spec: Spec, cfg_dir: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    """Every parameter, uninitialised, on `device` (filled by `hf_weights.copy_weights`)."""
-    cfg = json.loads((Path(cfg_dir) / "config.json").read_text())
-    inter, h = cfg["intermediate_size"], spec.hidden
-    mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
-    out = {}
-    for name in expected_names(spec):
-        shape = _shape(spec, name, cfg["vocab_size"]) or mlp[name.split(".")[-2]]
-        out[name] = torch.empty(shape, dtype=dtype, device=device)
+def shapes(spec: Spec) -> dict[str, tuple]:
+    """Each parameter's shape, by name (`expected_names`)."""
+    h, d, inter = spec.hidden, spec.head_dim, spec.intermediate
+    q, kv = spec.heads * d, spec.kv_heads * d
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+             "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,), "self_attn.q_norm.weight": (d,),
+             "self_attn.k_norm.weight": (d,), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+             "mlp.down_proj.weight": (h, inter)}  # fmt: skip
+    out = {"embed_tokens.weight": (spec.vocab, h), "norm.weight": (h,)}
+    for name in expected_names(spec)[2:]:
+        out[name] = layer[name.split(".", 2)[2]]
     return out
+
+
+def allocate(spec: Spec, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Every parameter, uninitialised, on `device` (filled by `hf_weights.copy_weights`)."""
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes(spec).items()}
 
 
 def inv_freq(spec: Spec) -> torch.Tensor:
