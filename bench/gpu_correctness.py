@@ -6,6 +6,9 @@
 2. TTT unroll == naive recomputation (float64, eager attention, on CUDA), and the flex (fused)
    TTT attention == eager, forward and gradients, with the fused loss == the plain loss.
 3. Speculative decoding is lossless on CUDA (random and oracle drafters = greedy output).
+4. The own layers' Triton kernels (`llama_kernels`, `extract.hf.compile: kernels`) against the own
+   eager layers, on two layers of the Llama-3.1-8B shape and a Qwen3-like GQA shape with q/k norms:
+   float32 within summation order; bfloat16 no farther from the float32 states than eager's.
 Prints one JSON with every figure and `all_passed`; exits 1 when a check fails.
 """
 
@@ -129,6 +132,46 @@ def speculative_lossless(target) -> dict:
     return out
 
 
+def kernels_vs_eager() -> dict:
+    """Per shape: float32 kernels against float32 eager (summation order only), and bfloat16 kernels
+    against bfloat16 eager, each measured from the float32 eager states: the kernels round once per
+    step, so they should sit no farther from float32 than eager does."""
+    import dataclasses
+
+    from eaglenest.extraction.backends import llama, llama_kernels
+
+    base = llama.Spec(layers=2, hidden=4096, intermediate=14336, vocab=1000, heads=32, kv_heads=8, head_dim=128,
+                      eps=1e-5, rope=(5e5, (8.0, 1.0, 4.0, 8192.0)), optional=())  # fmt: skip
+    qwen3 = dataclasses.replace(base, hidden=2048, intermediate=6144, heads=16, kv_heads=4, rope=(1e6, None),
+                                optional=("self_attn.q_norm.weight", "self_attn.k_norm.weight"))  # fmt: skip
+
+    def states(spec, w, ids, kernels):
+        dec = llama.Decoder(spec, w)
+        if kernels:
+            dec.layer, dec.norm = llama_kernels.make_layer(spec), llama_kernels.rms_norm
+        with torch.inference_mode():
+            a, f = dec.run(ids, (True,) * spec.layers)
+        return torch.cat([*a, f]).flatten(0, 1).float()
+
+    out, ok = {}, True
+    for name, spec in (("llama8b", base), ("qwen3", qwen3)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = {k: torch.randn(s, device="cuda", generator=g).mul_(0.02 if len(s) == 2 else 1).to(torch.bfloat16)
+             for k, s in llama.shapes(spec).items()}  # fmt: skip
+        w32 = {k: v.float() for k, v in w.items()}
+        ids = torch.randint(0, spec.vocab, (3, 517), device="cuda", generator=g)
+        ref = states(spec, w32, ids, False)
+        k32, e16, k16 = states(spec, w32, ids, True), states(spec, w, ids, False), states(spec, w, ids, True)
+        rel32 = token_stats(ref, k32)[1].max().item()
+        e_rel, k_rel = token_stats(ref, e16)[1].mean().item(), token_stats(ref, k16)[1].mean().item()
+        r = {"float32_max_rel": rel32, "bf16_eager_rel_mean": e_rel, "bf16_kernels_rel_mean": k_rel,
+             "bf16_bit_equal_eager": round((e16 == k16).float().mean().item(), 4),
+             "ok": rel32 <= 1e-5 and k_rel <= e_rel * 1.02}  # fmt: skip
+        out[name], ok = r, ok and r["ok"]
+    out["ok"] = ok
+    return out
+
+
 def main():
     res = {
         "gpu": torch.cuda.get_device_name(0),
@@ -143,6 +186,7 @@ def main():
             ("padded_vs_one_by_one", lambda: padded_vs_one_by_one(target)),
             ("ttt", ttt_checks),
             ("speculative_lossless", lambda: speculative_lossless(target)),
+            ("kernels_vs_eager", kernels_vs_eager),
         ):
             try:
                 res[name] = fn()
@@ -151,6 +195,7 @@ def main():
             print(json.dumps({name: res[name]}, default=str), flush=True)
     oks = [res["padded_vs_one_by_one"].get(k, {}).get("ok") for k in ("float32", "bfloat16")]
     oks += [res["ttt"].get("unroll_ok"), res["ttt"].get("flex_fused_ok"), res["speculative_lossless"].get("ok")]
+    oks += [res["kernels_vs_eager"].get("ok")]
     res["all_passed"] = all(bool(x) for x in oks)
     print(json.dumps(res, indent=2, default=str))
     sys.exit(0 if res["all_passed"] else 1)

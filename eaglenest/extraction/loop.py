@@ -23,7 +23,7 @@ from eaglenest.errors import EaglenestError
 from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
-from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized
+from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized, tokenized_file
 from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
 from eaglenest.hashing import sha256_file, sha256_text
@@ -88,19 +88,21 @@ def _extract_part(
     """devices: more than one shares the pending pieces round-robin with worker processes, each
     building its backend from backend_spec (name, options without the device): `devices`."""
     t0 = time.time()
+    layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_seq_len, **layout_cfg)
+    described = backend.describe()
+    info = extractor_info(described, taps, dtype, revision)
+    efp = extractor_fingerprint(info)
+    input_sha = sha256_file(tokenized_file(tokenized))
+    work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)), PLAN)
+    work = WorkDir(work_root, part, work_key)
+    if not work.committed() and hasattr(backend, "start_load"):  # not a resume: the target will be needed
+        backend.start_load()  # it loads (and its kernels build) while the part is read and planned
     names, seqs = read_tokenized(tokenized)
     if not seqs:
         raise EaglenestError(f"{tokenized}: no samples to extract")
     lengths = [len(s) for s in seqs]
     if max(lengths) > max_seq_len:
         raise EaglenestError(f"{tokenized}: a sample has {max(lengths)} tokens > max_seq_len {max_seq_len}")
-    layout = Layout.for_sizes(target.hidden_size, len(taps), max_seq_len=max_seq_len, **layout_cfg)
-    described = backend.describe()
-    info = extractor_info(described, taps, dtype, revision)
-    efp = extractor_fingerprint(info)
-    input_sha = sha256_file(tokenized)
-    work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)), PLAN)
-    work = WorkDir(work_root, part, work_key)
     pieces = plan_pieces(lengths, layout.shard_tokens)
     windows = plan_windows(pieces, lengths, batch_tokens)
     attrs = {
@@ -148,7 +150,7 @@ def _extract_part(
         if n_gate > 0:
             reference = start_reference(target, taps, described.get("device", "cpu"), tokenized,
                                         choose(len(seqs), n_gate, seed))  # fmt: skip
-        if mine and getattr(backend, "loaded", True) is False:  # the hf backend
+        if mine and getattr(backend, "loaded", True) is False:  # the hf backend (or waits for `start_load`)
             backend.load()
         if world > 1 and len(open_windows) > 1:
             if backend_spec is None:

@@ -11,11 +11,16 @@ import pyarrow.parquet as pq
 from eaglenest.errors import EaglenestError
 
 
-def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
+def tokenized_file(path: Path) -> Path:
+    """path, or an error saying the tokenize stage has not made it."""
     path = Path(path)
     if not path.is_file():
         raise EaglenestError(f"{path}: tokenized part not found (run the tokenize stage)")
-    t = pq.read_table(path, columns=["id", "input_ids"])
+    return path
+
+
+def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
+    t = pq.read_table(tokenized_file(path), columns=["id", "input_ids"])
     ids = t.column("id").to_pylist()
     col = t.column("input_ids").combine_chunks()  # one list array: its flat values, sliced per sample
     flat = col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -123,8 +124,11 @@ def _compare(ref, store: Path, chosen: list[int], thresholds: dict) -> tuple[dic
         ids, aux, final = store.read(i)
         return ids, from_bits(aux), from_bits(final)
 
-    with ref:
-        return run_gate(read, chosen, ref, thresholds)
+    # all samples read (decoded, digests checked) at once, each in a thread: the comparison of the
+    # first overlaps the reading of the rest
+    with ThreadPoolExecutor(max(1, min(8, len(chosen))), thread_name_prefix="gate-read") as pool, ref:
+        reads = {i: pool.submit(read, i) for i in chosen}
+        return run_gate(lambda i: reads[i].result(), chosen, ref, thresholds)
 
 
 def _serve(job, conn) -> None:

@@ -3,6 +3,8 @@ alone: a real token never attends to padding, so a batch equals its samples run 
 dtype)."""
 
 import logging
+import os
+import threading
 import time
 from importlib.metadata import version
 
@@ -19,19 +21,22 @@ from eaglenest.versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
 
-COMPILE = (True, False, "auto", "layers")
+COMPILE = (True, False, "auto", "layers", "kernels")
 
 
 class HFBackend:
-    """`compile`: torch.compile over the decoder layers (auto: `layers` on CUDA, off on the CPU).
-    Fuses what eager runs as separate memory-bound kernels: RMSNorm's fp32 casts/pow/mean/rsqrt, SiLU
-    x up, RoPE's rotate-half and the residual adds (29 % of an 8B forward's GPU time eager; compiled,
-    the H200 forward went 0.61 -> 0.75 MFU). Each layer's graph serves every layer and length.
-    - layers: the backend runs the decoder itself, as plain functions (`llama`: Llama, Mistral, Qwen2,
-      Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its layer one compiled
-      graph, compiled in a thread while the weights are copied in (`hf_compile.LayerCompile`). No
-      transformers modeling import in the stage: on the H200 that import was most of an 8B load's
-      10 s of `load_s`. Other decoders run as `true`.
+    """`compile`: fuse what eager runs as separate memory-bound kernels: RMSNorm's fp32
+    casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half (29 % of an 8B forward's GPU time eager;
+    compiled, the H200 forward went 0.61 -> 0.75 MFU). auto: `kernels` on CUDA, off on the CPU.
+    - kernels: the backend runs the decoder itself, as plain functions (`llama`: Llama, Mistral,
+      Qwen2, Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its norms, rotary
+      and SiLU x up as Triton kernels of its own (`llama_kernels`), built in a thread while the
+      weights are copied in (`hf_compile.LayerCompile`). No torch.compile (whose cold compile the
+      first batch waited for) and no transformers modeling import in the stage (most of an 8B
+      load's 10 s of `load_s` on the H200). CUDA only (the CPU runs them in Triton's interpreter,
+      TRITON_INTERPRET=1: the tests). Other decoders run as `true`.
+    - layers: the same own decoder, its layer (`llama.make_layer`) one torch.compile graph for every
+      layer and shape, compiled in that thread.
     - true: each of transformers' decoder layers compiled inside its forward, whose hidden-state
       capture hooks read a ContextVar that dynamo cannot trace: three graphs a layer (input norm |
       attention | the rest), compiled at the warm-up before the first batch, after the load (a
@@ -62,9 +67,11 @@ class HFBackend:
         if compile not in COMPILE:
             raise EaglenestError(f"extract.hf.compile must be auto, true, false or layers, got {compile!r}")
         if compile == "auto":
-            compile = "layers" if self.device.startswith("cuda") else False
+            compile = "kernels" if self.device.startswith("cuda") else False
+        if compile == "kernels" and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise EaglenestError(f"extract.hf.compile: kernels runs Triton kernels: CUDA only, not {self.device}")
         self.own = None  # llama.Spec where the backend runs the decoder itself
-        if compile == "layers":
+        if compile in ("layers", "kernels"):
             try:
                 if attn != "sdpa":
                     raise Unsupported(f"attention {attn!r}")
@@ -81,28 +88,55 @@ class HFBackend:
         self.pad_id = 0
         self.copy_stream = None
         self.compiling = None  # hf_compile.LayerCompile until the first batch
+        self.loading, self.load_error = None, None  # `start_load`'s thread, what it raised
         self.states = state_format.check(states)
         self.warm = not self.compile  # eager needs no warming
         self.timings = {}  # load_s, warm_up_s: the fixed cost a part's metrics itemise
 
     @property
     def loaded(self) -> bool:
-        return self.decoder is not None
+        return self.decoder is not None and self.loading is None
+
+    def start_load(self) -> None:
+        """`load` in a thread, while the caller gets the part ready; `load` (or the first batch) waits
+        for it and raises what it raised."""
+        if self.decoder is None and self.loading is None:
+            self.loading = threading.Thread(target=self._load_in_thread, name="load-target", daemon=True)
+            self.loading.start()
+
+    def _load_in_thread(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # raised by `load`, in the caller's thread
+            self.load_error = e
 
     def load(self) -> None:
-        """Load the target; `extract` does it on first use: the decoder built on the device and its
-        weights copied in from the safetensors (`hf_weights`; through transformers' loader where the
-        files do not suit it). The own layer compiles in a thread meanwhile; transformers' at `warm_up`."""
+        """Load the target; `extract` does it on first use. `load_s`: what the caller waited."""
         t = time.perf_counter()
-        if self.own is not None:
-            self._load_own()
-        else:
-            self._load_transformers()
+        if self.loading is not None:
+            self.loading.join()
+            self.loading = None
+            if self.load_error is not None:
+                raise self.load_error
+        elif self.decoder is None:
+            self._load()
+        self.timings["load_s"] = round(time.perf_counter() - t, 2)
+
+    def _load(self) -> None:
+        """The decoder built on the device and its weights copied in from the safetensors
+        (`hf_weights`; through transformers' loader where the files do not suit it). The own layer
+        compiles in a thread meanwhile; transformers' at `warm_up`. `load_run_s`: how long it took."""
+        t = time.perf_counter()
+        with torch.inference_mode(False):  # plain tensors even when the first batch loads: the weights'
+            if self.own is not None:  # copy writes them from threads outside inference mode
+                self._load_own()
+            else:
+                self._load_transformers()
         # the taps in the order the loop keeps them (layer order), and their order as asked (None: the same)
         self._keep = tuple(j in self.taps for j in range(self.target.num_layers))
         order = [sorted(self.taps).index(j) for j in self.taps]
         self._order = None if order == sorted(order) else order
-        self.timings["load_s"] = round(time.perf_counter() - t, 2)
+        self.timings["load_run_s"] = round(time.perf_counter() - t, 2)
         log.info(
             "hf backend: %s on %s, taps %s, states stored as %s, %s; loaded in %.1f s",
             self.dtype,
@@ -110,16 +144,20 @@ class HFBackend:
             self.taps,
             self.states,
             "the own layers" if self.own else "transformers' forward",
-            self.timings["load_s"],
+            self.timings["load_run_s"],
         )
 
     def _load_own(self) -> None:
         t = time.perf_counter()
         weights = llama.allocate(self.own, getattr(torch, self.dtype), self.device)
         self.decoder = llama.Decoder(self.own, weights)
+        if self.mode == "kernels":
+            from eaglenest.extraction.backends import llama_kernels  # imports triton: CUDA's, or its interpreter
+
+            self.decoder.layer, self.decoder.norm = llama_kernels.make_layer(self.own), llama_kernels.rms_norm
         built = time.perf_counter()
         if self.compile:  # beside the copy; the first batch waits for it (`warm_up`)
-            self.compiling = LayerCompile(self.decoder, self.device)
+            self.compiling = LayerCompile(self.decoder, self.device, dynamo=self.mode == "layers")
         try:
             n = copy_weights(plan_copy(self.target.model_dir, weights), self.device)
         except Unsupported as e:  # e.g. float32 files for a bfloat16 extraction
@@ -162,8 +200,8 @@ class HFBackend:
         return torch.stack([out.hidden_states[j] for j in self.taps], dim=2), out.last_hidden_state
 
     def _own_forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same states from the own decoder (`compile: layers`): the tap layers' inputs and the
-        final norm's output."""
+        """The same states from the own decoder (`compile: kernels` or `layers`): the tap layers'
+        inputs and the final norm's output."""
         kept, final = self.decoder.run(ids, self._keep)
         aux = torch.stack(kept, dim=2)
         return (aux if self._order is None else aux[:, :, self._order]), final
@@ -171,15 +209,25 @@ class HFBackend:
     def describe(self) -> dict:
         return {
             "backend": "hf",
-            # the code that computes the states: the own layers (and torch), or transformers'
-            "version": f"{llama.VERSION}-torch-{torch.__version__}"
-            if self.own
-            else f"transformers-{version('transformers')}",
+            "version": self._code_version(),
             "capture_version": CAPTURE_VERSIONS["hf"],
             "device": self.device,
         }
 
+    def _code_version(self) -> str:
+        """The code that computes the states: the own layers (their kernels, torch), or transformers'."""
+        if self.mode == "kernels":
+            from eaglenest.extraction.backends.llama_kernels import VERSION
+
+            return f"{VERSION}-triton-{version('triton')}-torch-{torch.__version__}"
+        if self.own:
+            return f"{llama.VERSION}-torch-{torch.__version__}"
+        return f"transformers-{version('transformers')}"
+
     def close(self) -> None:
+        if self.loading is not None:  # a run that failed while the target loaded
+            self.loading.join()
+            self.loading = None
         if self.compiling is not None:  # a run that failed before its first batch
             self.compiling.thread.join()
             self.compiling = None
@@ -227,11 +275,11 @@ class HFBackend:
         for them and gives [(aux [n, A, H], final [n, H]) bf16 CPU] per sample (with `states` fp8:
         per sample the stored arrays, `state_format.encode`). On CUDA the caller
         can launch the next batch first, so the GPU never idles while the host copies."""
-        if self.decoder is None:
+        if not self.loaded:
             self.load()
         lengths = [len(x) for x in batch]
         rows, T = len(batch), max(lengths)
-        if self.compile:  # never a size of 1, which dynamo would compile apart (class docstring)
+        if self.mode in (True, "layers"):  # never a size of 1, which dynamo would compile apart (docstring)
             rows, T = max(rows, 2), max(T, 2)
         ids = torch.full((rows, T), self.pad_id, dtype=torch.long)
         for b, x in enumerate(batch):

@@ -1,6 +1,7 @@
 """The hf backend's compiled layers: transformers' decoder layers compiled in place (`compile: true`),
-or the own layer function (`llama.make_layer`, `compile: layers`) compiled in a thread while the
-weights are copied in; and the lengths a graph may be compiled at."""
+or the own layer function compiled in a thread while the weights are copied in (`llama.make_layer`
+through torch.compile, `compile: layers`; `llama_kernels.make_layer`, whose Triton kernels build on
+their first run, `compile: kernels`); and the lengths a graph may be compiled at."""
 
 import logging
 import threading
@@ -32,16 +33,17 @@ def compile_length(T: int, avoid: set[int]) -> int:
 
 
 class LayerCompile:
-    """The own layer function compiled (the rows and the length dynamic: one graph for every layer,
-    length and batch size) by running it once, in a thread, on two rows of zeros through layer 0's
-    weights -- whatever they hold yet: the copy may still be filling them. Safe beside the copy and
-    the loop's start because that code calls no nn.Module (fx's tracing patches `nn.Module.__call__`
-    for every thread) and leaves torch's default dtype alone (dynamo restores it after a compile).
-    `wait` installs the compiled function; every batch runs it, so the stored bytes never depend on
-    when the compile finished."""
+    """The own layer function compiled by running it once, in a thread, on two rows of zeros through
+    layer 0's weights -- whatever they hold yet: the copy may still be filling them. `dynamo`: through
+    torch.compile (the rows and the length dynamic: one graph for every layer, length and batch size),
+    else the layer as it is (its Triton kernels build on that run). Safe beside the copy and the
+    loop's start because that code calls no nn.Module (fx's tracing patches `nn.Module.__call__` for
+    every thread) and leaves torch's default dtype alone (dynamo restores it after a compile). `wait`
+    installs the compiled function; every batch runs it, so the stored bytes never depend on when the
+    compile finished."""
 
-    def __init__(self, decoder: Decoder, device: str):
-        self.decoder, self.compiled = decoder, None
+    def __init__(self, decoder: Decoder, device: str, dynamo: bool = True):
+        self.decoder, self.compiled, self.dynamo = decoder, None, dynamo
         self.error, self.seconds, self.cpu_s = None, 0.0, 0.0
         self.thread = threading.Thread(target=self._run, args=(device,), name="compile-layer", daemon=True)
         self.thread.start()
@@ -50,7 +52,8 @@ class LayerCompile:
         t, cpu = time.perf_counter(), time.thread_time()
         s = self.decoder.spec
         try:
-            self.compiled = torch.compile(self.decoder.layer)  # imports dynamo: ~1 s, off the loading thread
+            # torch.compile imports dynamo: ~1 s, off the loading thread
+            self.compiled = torch.compile(self.decoder.layer) if self.dynamo else self.decoder.layer
             w = self.decoder.per_layer[0]
             sizes = {s.hidden, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate}
             T = compile_length(67, sizes)
@@ -59,10 +62,10 @@ class LayerCompile:
                 cos, sin = rotary(self.decoder.inv_freq, T, h.dtype)
                 # the rows and the length symbolic, the rest (weights, eps, ...) constants: a float
                 # traced as a symbol would make dynamo start over (2.3 s of the H200's compile)
-                for x, dims in ((h, (0, 1)), (cos, (0,)), (sin, (0,))):
+                for x, dims in ((h, (0, 1)), (cos, (0,)), (sin, (0,))) if self.dynamo else ():
                     for dim in dims:
                         torch._dynamo.mark_dynamic(x, dim)
-                self.compiled(h, cos, sin, w)
+                self.decoder.norm(self.compiled(h, cos, sin, w), self.decoder.weights["norm.weight"], s.eps)
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
         except BaseException as e:  # raised by `wait`, in the loop's thread

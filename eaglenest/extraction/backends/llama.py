@@ -178,6 +178,7 @@ class Decoder:
     def __init__(self, spec: Spec, weights: dict[str, torch.Tensor]):
         self.spec, self.weights = spec, weights
         self.layer = make_layer(spec)  # replaced by its compiled form (hf backend)
+        self.norm = rms_norm  # the final norm (`llama_kernels.rms_norm` with the kernels)
         self.per_layer = [self.layer_weights(i) for i in range(spec.layers)]
         self.inv_freq = inv_freq(spec).to(weights["norm.weight"].device)
 
@@ -196,4 +197,4 @@ class Decoder:
             if k:
                 kept.append(h)
             h = self.layer(h, cos, sin, w)
-        return kept, rms_norm(h, self.weights["norm.weight"], self.spec.eps)
+        return kept, self.norm(h, self.weights["norm.weight"], self.spec.eps)
