@@ -101,7 +101,9 @@ SCHEMA = {
         "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "devices": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "work_dir": _str,
-        "hf": {"compile": _either(_one_of("auto", "layers"), _bool, what="auto, true, false or layers")},
+        "hf": {
+            "compile": _either(_one_of("auto", "kernels", "layers"), _bool, what="auto, kernels, layers, true or false")
+        },
         "sglang": {
             "server_url": _either(_null, _str, _list(_str), what="null, a URL or a list of URLs"),
             "python": _str,

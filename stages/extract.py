@@ -2,8 +2,9 @@
 
     python -m stages.extract <part>
     params: extract.* (backend, taps, dtype, device, devices, batch_tokens, writers, revision, work_dir;
-            extract.hf.compile for the hf backend: auto = layers on CUDA (the backend's own layers for
-            Llama, Mistral, Qwen2 and Qwen3, one compiled graph), true = inside transformers' forward;
+            extract.hf.compile for the hf backend: auto = kernels on CUDA (the backend's own layers for
+            Llama, Mistral, Qwen2 and Qwen3, with its own Triton kernels), layers = the same layers as
+            one torch.compile graph, true = inside transformers' forward;
             extract.sglang.* for the sglang backend: server_url or launch-and-stop, concurrency,
             retries, capture_dir; extract.vllm.* for the vllm backend: python, server_args, concurrency),
             store.* (codec, level, chunk_mb, shard_mb, states: bf16 | fp8), validate.* (gate),

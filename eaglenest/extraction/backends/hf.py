@@ -64,8 +64,10 @@ class HFBackend:
         states: str = "bf16",
     ):
         self.device = pick_device(device)
+        if self.device.startswith("cuda:"):  # the current device of the thread that runs the batches:
+            torch.cuda.set_device(self.device)  # Triton's kernels launch on it, not on their tensors'
         if compile not in COMPILE:
-            raise EaglenestError(f"extract.hf.compile must be auto, true, false or layers, got {compile!r}")
+            raise EaglenestError(f"extract.hf.compile must be auto, kernels, layers, true or false, got {compile!r}")
         if compile == "auto":
             compile = "kernels" if self.device.startswith("cuda") else False
         if compile == "kernels" and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -106,6 +108,8 @@ class HFBackend:
 
     def _load_in_thread(self) -> None:
         try:
+            if self.device.startswith("cuda:"):  # as the caller's (a worker sets its GPU's)
+                torch.cuda.set_device(self.device)
             self._load()
         except BaseException as e:  # raised by `load`, in the caller's thread
             self.load_error = e

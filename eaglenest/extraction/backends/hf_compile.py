@@ -52,6 +52,8 @@ class LayerCompile:
         t, cpu = time.perf_counter(), time.thread_time()
         s = self.decoder.spec
         try:
+            if device.startswith("cuda:"):  # a thread's own current device: Triton launches on it
+                torch.cuda.set_device(device)
             # torch.compile imports dynamo: ~1 s, off the loading thread
             self.compiled = torch.compile(self.decoder.layer) if self.dynamo else self.decoder.layer
             w = self.decoder.per_layer[0]

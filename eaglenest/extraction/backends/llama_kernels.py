@@ -1,17 +1,17 @@
 """The own Llama-family layer on CUDA with its memory-bound steps as Triton kernels of our own
 (`compile: kernels`, the default there): RMSNorm (with the residual add before it), the rotary
-embedding, SiLU x up and the residual adds, each one pass over its rows. torch.compile fused the same steps, but its
-cold compile took 7.65 s on the H200 (dynamo, AOT autograd and inductor before a single Triton
-kernel was built), most of which a part waited for before its first batch; these build in 1.8 s,
-hidden by the weights' copy (bench/RESULTS.md). The matmuls (cuBLAS) and attention (SDPA) are
-torch's, as in `llama.make_layer`.
+embedding, SiLU x up and the layer's residual sum, each one pass over its rows. torch.compile fused
+the same steps, but its cold compile took 7.65 s alone on the H200 (dynamo, AOT autograd and inductor
+before a single Triton kernel was built), most of which a part waited for before its first batch;
+these build in 1.5-4.7 s, mostly hidden by the weights' copy (bench/RESULTS.md, "ninth run"). The
+matmuls (cuBLAS) and attention (SDPA) are torch's, as in `llama.make_layer`.
 
 Each kernel computes in float32 and rounds once, at its output, as inductor's fused kernels did
 (eager rounds after every op, transformers' RMSNorm casts before its weight), and the residual
 stream is rounded once a layer: bfloat16 states sit closer to the float32 reference than eager's
 (bench/gpu_correctness.py measures both; on the random 8B target the gate's final rel_err_mean was
-0.064 with eager's roundings, 0.060 rounding once per kernel, against its 0.06 limit), and float32
-states equal eager's up to summation order. No integer argument that
+0.064 with eager's roundings and 0.060 rounding each add, against its 0.06 limit; 0.058 now, as the
+compiled layers), and float32 states equal eager's up to summation order. No integer argument that
 varies between batches reaches a kernel unmarked: Triton would build a variant per divisibility of
 it, and the bytes of a state would depend on which variant ran. Runs on the CPU only in Triton's
 interpreter (the tests)."""
@@ -101,6 +101,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: torch.Tensor | N
 
 
 def add3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a + b + c (contiguous, one shape), rounded once."""
     n = a.shape[-1]
     y = torch.empty_like(a)
     block = min(1024, _p2(n))
@@ -126,8 +127,8 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def make_layer(spec: Spec):
-    """The same layer(h [B, T, H], cos, sin, w) as `llama.make_layer`, its norms, rotary and SiLU x up
-    as the kernels above."""
+    """The same layer(h [B, T, H], cos, sin, w) as `llama.make_layer`, its norms, rotary, SiLU x up
+    and residual sum as the kernels above."""
     qk_norm, gqa = "self_attn.q_norm.weight" in spec.optional, spec.kv_heads != spec.heads
     d, eps, scale = spec.head_dim, spec.eps, spec.head_dim**-0.5
 
