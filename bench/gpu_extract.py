@@ -5,7 +5,7 @@ settings>]`, keeping the other runs there (issue: GPU extraction as users run it
 
     python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
                                 [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
-                                [--budget SECONDS] [-S section.key=value ...]
+                                [--budget SECONDS] [--dvc-repro] [-S section.key=value ...]
 
 Builds once, in --workdir: a Llama-3.1-8B-shaped target with random bf16 weights
 (`bench.gpu.llama8b`; --layers fewer for a quick run), fingerprinted as the `target` stage does;
@@ -14,7 +14,9 @@ repository's params.yaml (CUDA, max_seq_len 2048). Then per part: the stage in a
 timed from outside, and its report's `fixed_cost` (imports, fingerprint, prepare, load, warm-up,
 gate, publish). Wall MFU = 2 x params x tokens / wall / peak, with the short bf16 matmul peak
 measured in the same run (`bench.gpu.matmul_peak`); steady MFU the same over the forward loop alone.
-Last, the gate's cost against validate.samples, on the last part's store.
+Last, the gate's cost against validate.samples, on the last part's store; with --dvc-repro, then
+`dvc repro extract` over the same parts in a DVC project of its own (`dvc_repro`: its wall clock
+against the stages' own, i.e. what DVC adds), where every part's store stays.
 
 Disk: a part's store takes ~4 states x hidden x 2 bytes per token (32 KiB for the 8B shape: 85 GB for
 2.6M tokens, before zstd), so each part's store is deleted once measured (the last one kept for the
@@ -101,12 +103,12 @@ def record(out: Path, sets: list[str], res: dict) -> None:
     out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def workspace(root: Path, args) -> tuple[Path, dict]:
+def workspace(root: Path, args, name: str | None = None) -> tuple[Path, dict]:
     from eaglenest.target import materialize
 
     model_dir = root / "model"
     build_target(model_dir, args.layers, small=args.device == "cpu")
-    ws = root / ("ws-" + tag(args.sets) if args.sets else "ws")  # the target is built once per workdir
+    ws = root / (name or ("ws-" + tag(args.sets) if args.sets else "ws"))  # the target is built once per workdir
     if not (ws / "data" / "target" / "target.json").exists():
         # the `target` stage: fingerprint once, recording the digests for the extract stage's check
         materialize(str(model_dir), ws / "data" / "target", digests=ws / ".eaglenest" / "digests.json")
@@ -151,8 +153,8 @@ def check_disk(ws: Path, tokens: int, cfg: dict) -> None:
     free = shutil.disk_usage(ws).free
     if need > free:
         sys.exit(
-            f"a part of {tokens:,} tokens needs up to {need / 1e9:.0f} GB of store (bf16, before zstd) and "
-            f"{ws} has {free / 1e9:.0f} GB free: pass a smaller --tokens"
+            f"{tokens:,} tokens need up to {need / 1e9:.0f} GB of store (bf16, before zstd) and "
+            f"{ws} has {free / 1e9:.0f} GB free: pass a smaller --tokens (or fewer --parts with --dvc-repro)"
         )
 
 
@@ -183,6 +185,48 @@ def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
                        "reference_states_s": m["reference_states_s"],
                        "compare_s": round(sum(m["seconds_by_step"].values()), 2), "tokens": m["tokens"]}  # fmt: skip
         print(f"gate, {n} samples: {out[str(n)]}", flush=True)
+    return out
+
+
+def dvc_repro(root: Path, args, parts: list[str], flops_per_token: float, peak: float | None) -> dict:
+    """`dvc repro extract` over the parts, as a user runs it: a DVC project (no git) in
+    root/dvc-ws holding the repository's `extract` stage (foreach over these parts), its params and
+    cache settings, the same target and parts; DVC runs each part's stage in a fresh process, one
+    after another, and hashes and caches each store. Returns the whole wall clock, each stage's own
+    (its report's `wall_s`) and what DVC adds around them (hashing deps and outputs, its own start)."""
+    ws, cfg = workspace(root, args, name="dvc-ws")
+    write_parts(ws, parts, args.tokens, cfg["vocab_size"])  # seeded: the per-part runs' very tokens
+    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["extract"]
+    (ws / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"extract": stage}}, sort_keys=False))
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    params.setdefault("data", {})["parts"] = parts
+    (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    if not (ws / "eaglenest").exists():  # the stage's code dependency (eaglenest/versions.py), this checkout's
+        (ws / "eaglenest").symlink_to(REPO / "eaglenest")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}  # fmt: skip
+    dvc = [sys.executable, "-m", "dvc"]
+    if not (ws / ".dvc").exists():
+        subprocess.run([*dvc, "init", "--no-scm", "-q"], cwd=ws, env=env, check=True)
+        subprocess.run([*dvc, "config", "cache.type", "hardlink,symlink"], cwd=ws, env=env, check=True)
+    check_disk(ws, args.tokens * len(parts), cfg)  # every part's store stays: DVC's outputs
+    t = time.time()
+    p = subprocess.run([*dvc, "repro", "extract"], cwd=ws, env=env, capture_output=True, text=True)
+    wall = time.time() - t
+    (ws / "logs").mkdir(exist_ok=True)
+    (ws / "logs" / "dvc_repro.log").write_text(p.stdout + p.stderr)
+    if p.returncode != 0:
+        sys.exit(f"dvc repro failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    reports = {part: json.loads((ws / "reports" / "extract" / f"{part}.json").read_text()) for part in parts}
+    stages_s = sum(r["wall_s"] for r in reports.values())
+    tokens = sum(r["tokens"] for r in reports.values())
+    out = {"parts": len(parts), "tokens": tokens, "wall_s": round(wall, 2), "stages_wall_s": round(stages_s, 2),
+           "dvc_overhead_s": round(wall - stages_s, 2), "per_part_wall_s": {k: r["wall_s"] for k, r in reports.items()},
+           "per_part_fixed_s": {k: r["fixed_cost"]["total_s"] for k, r in reports.items()},
+           "gates_passed": all(r["validation"]["passed"] for r in reports.values())}  # fmt: skip
+    if peak:
+        out["wall_mfu"] = round(flops_per_token * tokens / wall / peak, 3)
+    print("dvc repro:", json.dumps(out), flush=True)
     return out
 
 
@@ -263,6 +307,9 @@ def main() -> None:
     ap.add_argument("--profile-batches", type=int, default=0,
                     help="then the first N batches of the first part in this process: per batch host and GPU "
                          "time, padding, and the kernels (profile_batches)")  # fmt: skip
+    ap.add_argument("--dvc-repro", action="store_true",
+                    help="then `dvc repro extract` over the same parts in a DVC project of its own (dvc_repro); "
+                         "every part's store stays, so the disk must hold them all")  # fmt: skip
     ap.add_argument("-S", dest="sets", action="append", default=[],
                     help="section.key=value over the repository's params.yaml (e.g. extract.batch_tokens=65536); "
                          "each setting has its own workspace and results; the target is shared")  # fmt: skip
@@ -331,6 +378,10 @@ def main() -> None:
     )
     if "gate_by_samples" not in res:
         res["gate_by_samples"] = gate_costs(ws, parts[-1], [int(x) for x in a.gate_samples.split(",")], a.device)
+        partial.write_text(json.dumps(res, indent=1))
+    if a.dvc_repro and "dvc_repro" not in res:
+        shutil.rmtree(ws / "data" / "hidden", ignore_errors=True)  # the gate's part: room for DVC's stores
+        res["dvc_repro"] = dvc_repro(a.workdir, a, parts, flops_per_token, peak)
         partial.write_text(json.dumps(res, indent=1))
     if a.profile_batches and "batch_profile" not in res:
         res["batch_profile"] = profile_batches(ws, parts[0], a.profile_batches, a.device)
