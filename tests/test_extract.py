@@ -201,7 +201,8 @@ def test_own_kernels_in_the_triton_interpreter(tmp_path):
 def test_own_weight_loader_equals_transformers_and_falls_back_where_files_differ(tiny_target, tmp_path, caplog):
     """The hf backend fills the decoder straight from the safetensors: the very parameters (and
     states) transformers' loader gives. Files that do not hold exactly the decoder's parameters in
-    its dtype go through transformers instead, saying why; a truncated file is an error naming it."""
+    its dtype go through transformers instead, saying why; a truncated file is an error naming it,
+    also when the load ran in a thread."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -238,6 +239,13 @@ def test_own_weight_loader_equals_transformers_and_falls_back_where_files_differ
     os.truncate(f, f.stat().st_size - 100)
     with pytest.raises(EaglenestError, match=f"{f.name}: short read"):
         copy_weights(copies, "cpu")
+    # loading in a thread beside the part's preparation (`start_load`): the same error, in the caller
+    broken = HFBackend(dataclasses.replace(tiny_target, model_dir=other), taps, device="cpu")
+    broken.start_load()
+    assert not broken.loaded
+    with pytest.raises(EaglenestError, match=f"{f.name}: short read"):
+        broken.load()
+    broken.close()
 
 
 def test_tap_ids_out_of_range():
