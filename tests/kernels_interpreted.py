@@ -44,6 +44,24 @@ def layers(root: Path, family: str) -> dict:
     return worst(zip([*a, f], [*a1, f1]))
 
 
+def odd_shapes() -> dict:
+    """One layer of random float32 weights at sizes the masks must handle: a hidden size, head count
+    and head size that are no powers of two (SmolLM2's 576 / 9 heads / 3 kv heads; a head of 80)."""
+    out = {}
+    for hidden, heads, kv, d in ((576, 9, 3, 64), (160, 2, 1, 80)):
+        spec = llama.Spec(layers=1, hidden=hidden, intermediate=3 * hidden - 17, vocab=100, heads=heads, kv_heads=kv,
+                          head_dim=d, eps=1e-5, rope=(1e4, None), optional=())  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        w = {k: torch.randn(s, generator=g) * (0.1 if len(s) == 2 else 1) for k, s in llama.shapes(spec).items()}
+        dec = llama.Decoder(spec, w)
+        h = torch.randn(2, 9, hidden, generator=g)
+        cos, sin = llama.rotary(dec.inv_freq, 9, torch.float32)
+        eager = llama.make_layer(spec)(h, cos, sin, dec.per_layer[0])
+        kern = llama_kernels.make_layer(spec)(h, cos, sin, dec.per_layer[0])
+        out[f"{hidden}/{heads}/{kv}/{d}"] = worst([(eager, kern)])
+    return out
+
+
 def backend(root: Path) -> dict:
     """Through the hf backend, against eager transformers; then refused outside the interpreter."""
     target = make_tiny_target(root / "tiny")
@@ -67,6 +85,7 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     root = Path(sys.argv[1])
     out = {family: layers(root, family) for family in ("llama_bias", "qwen3")}
+    out["odd_shapes"] = odd_shapes()
     out["backend"] = backend(root)
     print(json.dumps(out))
 

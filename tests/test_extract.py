@@ -184,14 +184,16 @@ def test_own_kernels_in_the_triton_interpreter(tmp_path):
     """The own layer with its Triton kernels (`compile: kernels`, the CUDA default), run here in
     Triton's interpreter (tests/kernels_interpreted.py, a process of its own): the eager own layer's
     states within float32 reordering, for a Llama with q/k/v biases and a Qwen3 with per-head q/k
-    norms (both GQA); through the backend, eager transformers' states, a sample of one token among
-    them, the kernels built in the warm-up thread and named by the fingerprint; refused on a CPU
-    outside the interpreter. (The interpreter rounds float32 to bfloat16 by truncation, so bfloat16 is
-    compared on the GPU: bench/gpu_correctness.py.)"""
+    norms (both GQA), and at sizes no power of two (hidden 576, 9 heads, a head of 80); through the
+    backend, eager transformers' states, a sample of one token among them, the kernels built in the
+    warm-up thread and named by the fingerprint; refused on a CPU outside the interpreter. (The
+    interpreter rounds float32 to bfloat16 by truncation, so bfloat16 is compared on the GPU:
+    bench/gpu_correctness.py.)"""
     p = run_py(["-m", "tests.kernels_interpreted", str(tmp_path)], cwd=REPO, env_extra={"TRITON_INTERPRET": "1"})
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    for name in ("llama_bias", "qwen3", "backend"):
-        assert res[name]["min_cos"] >= 0.999999 and res[name]["max_rel"] <= 1e-5, (name, res[name])
+    for name, r in [(n, res[n]) for n in ("llama_bias", "qwen3", "backend")] + list(res["odd_shapes"].items()):
+        assert r["min_cos"] >= 0.999999 and r["max_rel"] <= 1e-5, (name, r)
+    assert len(res["odd_shapes"]) == 2
     be = res["backend"]
     assert 1 in be["lengths"] and be["layer_module"] == "eaglenest.extraction.backends.llama_kernels"
     assert be["version"].startswith("eaglenest-llama-kernels-1-triton-") and be["compile_s"] > 0
