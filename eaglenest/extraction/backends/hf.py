@@ -29,12 +29,12 @@ class HFBackend:
     casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half (29 % of an 8B forward's GPU time eager;
     compiled, the H200 forward went 0.61 -> 0.75 MFU). auto: `kernels` on CUDA, off on the CPU.
     - kernels: the backend runs the decoder itself, as plain functions (`llama`: Llama, Mistral,
-      Qwen2, Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its norms, rotary
-      and SiLU x up as Triton kernels of its own (`llama_kernels`), built in a thread while the
-      weights are copied in (`hf_compile.LayerCompile`). No torch.compile (whose cold compile the
-      first batch waited for) and no transformers modeling import in the stage (most of an 8B
-      load's 10 s of `load_s` on the H200). CUDA only (the CPU runs them in Triton's interpreter,
-      TRITON_INTERPRET=1: the tests). Other decoders run as `true`.
+      Qwen2, Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its norms, rotary,
+      SiLU x up and residual sum as Triton kernels of its own (`llama_kernels`), built in a thread
+      while the weights are copied in (`hf_compile.LayerCompile`). No torch.compile (whose cold
+      compile the first batch waited for) and no transformers modeling import in the stage (most
+      of an 8B load's 10 s of `load_s` on the H200). CUDA only (the CPU runs them in Triton's
+      interpreter, TRITON_INTERPRET=1: the tests). Other decoders run as `true`.
     - layers: the same own decoder, its layer (`llama.make_layer`) one torch.compile graph for every
       layer and shape, compiled in that thread.
     - true: each of transformers' decoder layers compiled inside its forward, whose hidden-state

@@ -80,5 +80,5 @@ class LayerCompile:
             raise self.error
         self.decoder.layer = self.compiled
         # its thread's CPU time against its wall clock: what the rest of the process took from it (GIL)
-        log.info("hf backend: the own layer compiled in %.1f s, %.1f s of its thread's CPU time", self.seconds,
-                 self.cpu_s)  # fmt: skip
+        what = "the own layer compiled" if self.dynamo else "the own layer's Triton kernels built"
+        log.info("hf backend: %s in %.1f s, %.1f s of its thread's CPU time", what, self.seconds, self.cpu_s)
