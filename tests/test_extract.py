@@ -55,6 +55,12 @@ def test_compiled_backend_equals_eager(tiny_target):
     assert HFBackend(tiny_target, taps, device="cpu").compile is False  # auto: CUDA only
     with pytest.raises(EaglenestError, match="extract.hf.compile must be"):
         HFBackend(tiny_target, taps, device="cpu", compile="yes")
+    from eaglenest.extraction.backends.hf import COMPILE
+    from stages._params import SCHEMA
+
+    rule = SCHEMA["extract"]["hf"]["compile"]  # params.yaml takes what the backend takes
+    assert set(COMPILE) == {"auto", "kernels", "layers", True, False}
+    assert all(rule(v) is None for v in COMPILE) and rule("yes")
     eager = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=False)
     comp = HFBackend(tiny_target, taps, dtype="float32", device="cpu", compile=True)
     counters.clear()
