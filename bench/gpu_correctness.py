@@ -146,9 +146,7 @@ def kernels_vs_eager() -> dict:
                                 optional=("self_attn.q_norm.weight", "self_attn.k_norm.weight"))  # fmt: skip
 
     def states(spec, w, ids, kernels):
-        dec = llama.Decoder(spec, w)
-        if kernels:
-            dec.layer, dec.norm = llama_kernels.make_layer(spec), llama_kernels.rms_norm
+        dec = llama.Decoder(spec, w, llama_kernels.OPS if kernels else llama.EAGER)
         with torch.inference_mode():
             a, f = dec.run(ids, (True,) * spec.layers)
         return torch.cat([*a, f]).flatten(0, 1).float()

@@ -36,8 +36,7 @@ def layers(root: Path, family: str) -> dict:
     spec = llama.plan(path)
     weights = llama.allocate(spec, torch.float32, "cpu")
     copy_cast(path, weights)
-    eager, kern = llama.Decoder(spec, weights), llama.Decoder(spec, weights)
-    kern.layer, kern.norm = llama_kernels.make_layer(spec), llama_kernels.rms_norm
+    eager, kern = llama.Decoder(spec, weights), llama.Decoder(spec, weights, llama_kernels.OPS)
     ids = torch.from_numpy(np.stack(random_samples(3, 512, 23, 23, seed=7))).long()
     with torch.inference_mode():
         (a, f), (a1, f1) = eager.run(ids, (True,) * spec.layers), kern.run(ids, (True,) * spec.layers)
@@ -57,7 +56,7 @@ def odd_shapes() -> dict:
         h = torch.randn(2, 9, hidden, generator=g)
         cos, sin = llama.rotary(dec.inv_freq, 9, torch.float32)
         eager = llama.make_layer(spec)(h, cos, sin, dec.per_layer[0])
-        kern = llama_kernels.make_layer(spec)(h, cos, sin, dec.per_layer[0])
+        kern = llama.make_layer(spec, llama_kernels.OPS)(h, cos, sin, dec.per_layer[0])
         out[f"{hidden}/{heads}/{kv}/{d}"] = worst([(eager, kern)])
     return out
 
@@ -72,7 +71,7 @@ def backend(root: Path) -> dict:
     pairs = [(torch.cat([a.flatten(0, 1), f]), torch.cat([a1.flatten(0, 1), f1]))
              for (a, f), (a1, f1) in zip(eager.extract(seqs), kern.extract(seqs))]  # fmt: skip
     out = {**worst(pairs), "lengths": [len(s) for s in seqs], "version": kern.describe()["version"],
-           "layer_module": kern.decoder.layer.__module__, "compile_s": kern.timings["compile_s"]}  # fmt: skip
+           "layer_module": kern.decoder.ops.rotate.__module__, "compile_s": kern.timings["compile_s"]}  # fmt: skip
     os.environ.pop("TRITON_INTERPRET")
     try:
         HFBackend(target, taps, device="cpu", compile="kernels")

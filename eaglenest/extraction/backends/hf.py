@@ -154,11 +154,12 @@ class HFBackend:
     def _load_own(self) -> None:
         t = time.perf_counter()
         weights = llama.allocate(self.own, getattr(torch, self.dtype), self.device)
-        self.decoder = llama.Decoder(self.own, weights)
+        ops = llama.EAGER
         if self.mode == "kernels":
             from eaglenest.extraction.backends import llama_kernels  # imports triton: CUDA's, or its interpreter
 
-            self.decoder.layer, self.decoder.norm = llama_kernels.make_layer(self.own), llama_kernels.rms_norm
+            ops = llama_kernels.OPS
+        self.decoder = llama.Decoder(self.own, weights, ops)
         built = time.perf_counter()
         if self.compile:  # beside the copy; the first batch waits for it (`warm_up`)
             self.compiling = LayerCompile(self.decoder, self.device, dynamo=self.mode == "layers")

@@ -1,6 +1,6 @@
 """The hf backend's compiled layers: transformers' decoder layers compiled in place (`compile: true`),
 or the own layer function compiled in a thread while the weights are copied in (`llama.make_layer`
-through torch.compile, `compile: layers`; `llama_kernels.make_layer`, whose Triton kernels build on
+through torch.compile, `compile: layers`; with `llama_kernels.OPS`, whose Triton kernels build on
 their first run, `compile: kernels`); and the lengths a graph may be compiled at."""
 
 import logging
@@ -67,7 +67,7 @@ class LayerCompile:
                 for x, dims in ((h, (0, 1)), (cos, (0,)), (sin, (0,))) if self.dynamo else ():
                     for dim in dims:
                         torch._dynamo.mark_dynamic(x, dim)
-                self.decoder.norm(self.compiled(h, cos, sin, w), self.decoder.weights["norm.weight"], s.eps)
+                self.decoder.ops.norm(self.compiled(h, cos, sin, w), self.decoder.weights["norm.weight"], s.eps)
             if device.startswith("cuda"):
                 torch.cuda.synchronize(device)
         except BaseException as e:  # raised by `wait`, in the loop's thread

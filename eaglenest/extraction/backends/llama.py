@@ -9,6 +9,7 @@ own float32 model, so a mistake here fails the gate. `plan` says which targets i
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,18 +137,46 @@ def rotary(freq: torch.Tensor, T: int, dtype) -> tuple[torch.Tensor, torch.Tenso
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, add: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x (of x + add, rounded to the model dtype first, as transformers adds)."""
+    if add is not None:
+        x = x + add
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     return w * y.to(x.dtype)
 
 
-def _rotate(x, cos, sin):
+def rotate(x, cos, sin):
+    """x [B, T, heads, d] at positions 0..T-1: x * cos + rotate_half(x) * sin, in x's layout."""
     half = x.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def make_layer(spec: Spec):
+def silu_mul(g, u):
+    return F.silu(g) * u
+
+
+def residual(h, o, m):
+    """The layer's output h + o + m, added as transformers adds: (h + o) first."""
+    return h + o + m
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The layer's memory-bound steps, each an eager torch function here (transformers' math, op for
+    op) or a Triton kernel (`llama_kernels.OPS`); the matmuls and attention are the layer's own."""
+
+    norm: Callable  # (x, w, eps, add=None)
+    rotate: Callable  # (x [B, T, heads, d], cos, sin)
+    silu_mul: Callable  # (gate, up)
+    residual: Callable  # (h, attention out, MLP out)
+
+
+EAGER = Ops(rms_norm, rotate, silu_mul, residual)
+
+
+def make_layer(spec: Spec, ops: Ops = EAGER):
     """layer(h [B, T, H], cos, sin, w) -> h after one decoder layer; `w` is `layer_weights(i)`. Causal
     SDPA without a mask: with right padding no real token sees padding."""
     # plain Python constants: under dynamic shapes dynamo would trace ints read off `spec` as symbols
@@ -157,17 +186,17 @@ def make_layer(spec: Spec):
     def layer(h, cos, sin, w):
         n1, wq, wk, wv, wo, n2, wg, wu, wd, bq, bk, bv, bo, qn, kn = w
         B, T, _ = h.shape
-        x = rms_norm(h, n1, eps)
+        x = ops.norm(h, n1, eps)
         q = F.linear(x, wq, bq).view(B, T, -1, d)
         k = F.linear(x, wk, bk).view(B, T, -1, d)
         v = F.linear(x, wv, bv).view(B, T, -1, d).transpose(1, 2)
         if qk_norm:
-            q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
-        q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            q, k = ops.norm(q, qn, eps), ops.norm(k, kn, eps)
+        q, k = ops.rotate(q, cos, sin).transpose(1, 2), ops.rotate(k, cos, sin).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        h = h + F.linear(a.transpose(1, 2).reshape(B, T, -1), wo, bo)
-        x = rms_norm(h, n2, eps)
-        return h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        o = F.linear(a.transpose(1, 2).reshape(B, T, -1), wo, bo)
+        x = ops.norm(h, n2, eps, add=o)
+        return ops.residual(h, o, F.linear(ops.silu_mul(F.linear(x, wg), F.linear(x, wu)), wd))
 
     return layer
 
@@ -175,10 +204,9 @@ def make_layer(spec: Spec):
 class Decoder:
     """The weights (`allocate`) and the loop: embeddings, each layer, the final norm."""
 
-    def __init__(self, spec: Spec, weights: dict[str, torch.Tensor]):
-        self.spec, self.weights = spec, weights
-        self.layer = make_layer(spec)  # replaced by its compiled form (hf backend)
-        self.norm = rms_norm  # the final norm (`llama_kernels.rms_norm` with the kernels)
+    def __init__(self, spec: Spec, weights: dict[str, torch.Tensor], ops: Ops = EAGER):
+        self.spec, self.weights, self.ops = spec, weights, ops
+        self.layer = make_layer(spec, ops)  # replaced by its compiled form (hf backend)
         self.per_layer = [self.layer_weights(i) for i in range(spec.layers)]
         self.inv_freq = inv_freq(spec).to(weights["norm.weight"].device)
 
@@ -197,4 +225,4 @@ class Decoder:
             if k:
                 kept.append(h)
             h = self.layer(h, cos, sin, w)
-        return kept, self.norm(h, self.weights["norm.weight"], self.spec.eps)
+        return kept, self.ops.norm(h, self.weights["norm.weight"], self.spec.eps)

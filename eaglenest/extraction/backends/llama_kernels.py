@@ -4,7 +4,7 @@ embedding, SiLU x up and the layer's residual sum, each one pass over its rows. 
 the same steps, but its cold compile took 7.65 s alone on the H200 (dynamo, AOT autograd and inductor
 before a single Triton kernel was built), most of which a part waited for before its first batch;
 these build in 1.5-4.7 s, mostly hidden by the weights' copy (bench/RESULTS.md, "ninth run"). The
-matmuls (cuBLAS) and attention (SDPA) are torch's, as in `llama.make_layer`.
+matmuls (cuBLAS) and attention (SDPA) are torch's: `llama.make_layer(spec, OPS)` runs them.
 
 Each kernel computes in float32 and rounds once, at its output, as inductor's fused kernels did
 (eager rounds after every op, transformers' RMSNorm casts before its weight), and the residual
@@ -17,11 +17,10 @@ it, and the bytes of a state would depend on which variant ran. Runs on the CPU 
 interpreter (the tests)."""
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from eaglenest.extraction.backends.llama import Spec
+from eaglenest.extraction.backends.llama import Ops
 
 VERSION = "eaglenest-llama-kernels-1"  # in the extractor fingerprint: states computed by this code
 
@@ -109,12 +108,12 @@ def add3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, T: int) -> torch.Tensor:
-    """x [B, T, heads, d] contiguous, cos/sin [T, d]: `llama._rotate` in the same layout."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d] contiguous, cos/sin [T, d]: `llama.rotate` in the same layout."""
     heads, d = x.shape[-2:]
     y = torch.empty_like(x)
-    _rotary[(x.numel() // (heads * d),)](x, cos, sin, y, T, HEADS=heads, HP=_p2(heads), D=d, HALF=_p2(d // 2),
-                                         num_warps=4)  # fmt: skip
+    _rotary[(x.numel() // (heads * d),)](x, cos, sin, y, x.shape[1], HEADS=heads, HP=_p2(heads), D=d,
+                                         HALF=_p2(d // 2), num_warps=4)  # fmt: skip
     return y
 
 
@@ -126,26 +125,5 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def make_layer(spec: Spec):
-    """The same layer(h [B, T, H], cos, sin, w) as `llama.make_layer`, its norms, rotary, SiLU x up
-    and residual sum as the kernels above."""
-    qk_norm, gqa = "self_attn.q_norm.weight" in spec.optional, spec.kv_heads != spec.heads
-    d, eps, scale = spec.head_dim, spec.eps, spec.head_dim**-0.5
-
-    def layer(h, cos, sin, w):
-        n1, wq, wk, wv, wo, n2, wg, wu, wd, bq, bk, bv, bo, qn, kn = w
-        B, T, _ = h.shape
-        x = rms_norm(h, n1, eps)
-        q = F.linear(x, wq, bq).view(B, T, -1, d)
-        k = F.linear(x, wk, bk).view(B, T, -1, d)
-        v = F.linear(x, wv, bv).view(B, T, -1, d).transpose(1, 2)
-        if qk_norm:
-            q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
-        q, k = rotate(q, cos, sin, T).transpose(1, 2), rotate(k, cos, sin, T).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        o = F.linear(a.transpose(1, 2).reshape(B, T, -1), wo, bo)
-        x = rms_norm(h, n2, eps, add=o)
-        # the residual stream rounded once a layer, not after each add (so did inductor's graph)
-        return add3(h, o, F.linear(silu_mul(F.linear(x, wg), F.linear(x, wu)), wd))
-
-    return layer
+# `llama.make_layer(spec, OPS)`: the own layer with these kernels
+OPS = Ops(norm=rms_norm, rotate=rotate, silu_mul=silu_mul, residual=add3)
