@@ -5,7 +5,8 @@ settings>]`, keeping the other runs there (issue: GPU extraction as users run it
 
     python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
                                 [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
-                                [--budget SECONDS] [--dvc-repro] [-S section.key=value ...]
+                                [--budget SECONDS] [--dvc-repro | --only-dvc-repro] [--checksum-jobs N]
+                                [-S section.key=value ...]
 
 Builds once, in --workdir: a Llama-3.1-8B-shaped target with random bf16 weights
 (`bench.gpu.llama8b`; --layers fewer for a quick run), fingerprinted as the `target` stage does;
@@ -16,7 +17,8 @@ gate, publish). Wall MFU = 2 x params x tokens / wall / peak, with the short bf1
 measured in the same run (`bench.gpu.matmul_peak`); steady MFU the same over the forward loop alone.
 Last, the gate's cost against validate.samples, on the last part's store; with --dvc-repro, then
 `dvc repro extract` over the same parts in a DVC project of its own (`dvc_repro`: its wall clock
-against the stages' own, i.e. what DVC adds), where every part's store stays.
+against the stages' own, i.e. what DVC adds), where every part's store stays; --only-dvc-repro skips
+the per-part runs and the gate's cost; --checksum-jobs N sets that project's core.checksum_jobs.
 
 Disk: a part's store takes ~4 states x hidden x 2 bytes per token (32 KiB for the 8B shape: 85 GB for
 2.6M tokens, before zstd), so each part's store is deleted once measured (the last one kept for the
@@ -194,7 +196,8 @@ def dvc_repro(root: Path, args, parts: list[str], flops_per_token: float, peak: 
     cache settings, the same target and parts; DVC runs each part's stage in a fresh process, one
     after another, and hashes and caches each store. Returns the whole wall clock, each stage's own
     (its report's `wall_s`) and what DVC adds around them (hashing deps and outputs, its own start)."""
-    ws, cfg = workspace(root, args, name="dvc-ws")
+    jobs = args.checksum_jobs
+    ws, cfg = workspace(root, args, name=f"dvc-ws-j{jobs}" if jobs else "dvc-ws")
     write_parts(ws, parts, args.tokens, cfg["vocab_size"])  # seeded: the per-part runs' very tokens
     stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["extract"]
     (ws / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"extract": stage}}, sort_keys=False))
@@ -209,6 +212,8 @@ def dvc_repro(root: Path, args, parts: list[str], flops_per_token: float, peak: 
     if not (ws / ".dvc").exists():
         subprocess.run([*dvc, "init", "--no-scm", "-q"], cwd=ws, env=env, check=True)
         subprocess.run([*dvc, "config", "cache.type", "hardlink,symlink"], cwd=ws, env=env, check=True)
+        if jobs:  # files md5-hashed at once (DVC's default: min(4, cores / 2))
+            subprocess.run([*dvc, "config", "core.checksum_jobs", str(jobs)], cwd=ws, env=env, check=True)
     check_disk(ws, args.tokens * len(parts), cfg)  # every part's store stays: DVC's outputs
     t = time.time()
     p = subprocess.run([*dvc, "repro", "extract"], cwd=ws, env=env, capture_output=True, text=True)
@@ -220,7 +225,8 @@ def dvc_repro(root: Path, args, parts: list[str], flops_per_token: float, peak: 
     reports = {part: json.loads((ws / "reports" / "extract" / f"{part}.json").read_text()) for part in parts}
     stages_s = sum(r["wall_s"] for r in reports.values())
     tokens = sum(r["tokens"] for r in reports.values())
-    out = {"parts": len(parts), "tokens": tokens, "wall_s": round(wall, 2), "stages_wall_s": round(stages_s, 2),
+    out = {"checksum_jobs": jobs or "dvc default",
+           "parts": len(parts), "tokens": tokens, "wall_s": round(wall, 2), "stages_wall_s": round(stages_s, 2),
            "dvc_overhead_s": round(wall - stages_s, 2), "per_part_wall_s": {k: r["wall_s"] for k, r in reports.items()},
            "per_part_fixed_s": {k: r["fixed_cost"]["total_s"] for k, r in reports.items()},
            "gates_passed": all(r["validation"]["passed"] for r in reports.values())}  # fmt: skip
@@ -310,6 +316,10 @@ def main() -> None:
     ap.add_argument("--dvc-repro", action="store_true",
                     help="then `dvc repro extract` over the same parts in a DVC project of its own (dvc_repro); "
                          "every part's store stays, so the disk must hold them all")  # fmt: skip
+    ap.add_argument("--only-dvc-repro", action="store_true",
+                    help="--dvc-repro without the per-part runs and the gate's cost before it")  # fmt: skip
+    ap.add_argument("--checksum-jobs", type=int, default=0,
+                    help="with --dvc-repro: the project's core.checksum_jobs (default: DVC's own)")  # fmt: skip
     ap.add_argument("-S", dest="sets", action="append", default=[],
                     help="section.key=value over the repository's params.yaml (e.g. extract.batch_tokens=65536); "
                          "each setting has its own workspace and results; the target is shared")  # fmt: skip
@@ -336,8 +346,10 @@ def main() -> None:
     if not res["parts"]:
         shutil.rmtree(cache, ignore_errors=True)  # the first part compiles from nothing, as on a fresh machine
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    if a.only_dvc_repro:
+        a.dvc_repro = True
     for i, part in enumerate(parts):
-        if part in res["parts"]:
+        if part in res["parts"] or a.only_dvc_repro:
             continue
         longest = max((r["outside_wall_s"] for r in res["parts"].values()), default=0)
         if a.budget and time.time() - t0 + longest > a.budget:
@@ -367,21 +379,22 @@ def main() -> None:
         res["parts"][part] = row
         partial.write_text(json.dumps(res, indent=1))
         print(part, json.dumps({k: v for k, v in row.items() if k != "host_path"}), flush=True)
-    first = res["parts"][parts[0]]
+    first = res["parts"].get(parts[0], {})
     res.update(
-        part_tokens=first["tokens"],
+        part_tokens=first.get("tokens"),
         wall_mfu=first.get("wall_mfu"),  # cold compile cache, as a fresh machine runs it
-        fixed_s=first["fixed_s"],
-        steady_mfu_defaults=max((r.get("steady_mfu") or 0) for r in res["parts"].values()) or None,
+        fixed_s=first.get("fixed_s"),
+        steady_mfu_defaults=max((r.get("steady_mfu") or 0 for r in res["parts"].values()), default=0) or None,
         # the parts back to back, each a fresh stage process as `dvc repro` starts them
         parts_wall_s=round(sum(r["outside_wall_s"] for r in res["parts"].values()), 1),
     )
-    if "gate_by_samples" not in res:
+    if "gate_by_samples" not in res and not a.only_dvc_repro:
         res["gate_by_samples"] = gate_costs(ws, parts[-1], [int(x) for x in a.gate_samples.split(",")], a.device)
         partial.write_text(json.dumps(res, indent=1))
-    if a.dvc_repro and "dvc_repro" not in res:
+    key = f"dvc_repro_checksum_jobs_{a.checksum_jobs}" if a.checksum_jobs else "dvc_repro"
+    if a.dvc_repro and key not in res:
         shutil.rmtree(ws / "data" / "hidden", ignore_errors=True)  # the gate's part: room for DVC's stores
-        res["dvc_repro"] = dvc_repro(a.workdir, a, parts, flops_per_token, peak)
+        res[key] = dvc_repro(a.workdir, a, parts, flops_per_token, peak)
         partial.write_text(json.dumps(res, indent=1))
     if a.profile_batches and "batch_profile" not in res:
         res["batch_profile"] = profile_batches(ws, parts[0], a.profile_batches, a.device)

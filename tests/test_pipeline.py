@@ -59,7 +59,7 @@ def test_repro_to_validated_stores_then_noop(built):
             store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]
         )
         assert verify_store(store.path, progress=False) == []
-    assert (clone / "data/hidden/tiny-a/aux/c/0/0/0").stat().st_nlink == 2  # hardlinked into the DVC cache
+    assert (clone / "data/hidden/tiny-a/aux/c.0.0.0").stat().st_nlink == 2  # hardlinked into the DVC cache
     again = sh("dvc repro", clone)
     assert "Running stage" not in again.stdout and "up to date" in again.stdout
     assert sh("dvc status", clone).stdout.strip().endswith("Data and pipelines are up to date.")

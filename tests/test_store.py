@@ -71,6 +71,9 @@ def test_store_round_trip_bit_exact(tiny_target, tmp_path):
         assert np.array_equal(aux, to_bits(a)) and np.array_equal(final, to_bits(f))
     assert verify_store(out, progress=False) == []
     assert not list((tmp_path / "work").rglob("*"))  # the part's work dir is gone: nothing left under the root
+    # every piece's shard file side by side in its array's directory (DVC hashes one directory at a time)
+    shards = [f.relative_to(out).parts for f in out.rglob("c.*")]
+    assert len(shards) == 3 * m["pieces"] and all(len(p) == 2 for p in shards)
 
 
 def test_fp8_quantization_error_is_bounded():
@@ -121,7 +124,7 @@ def test_fp8_store_half_the_bytes_same_states_either_path(tiny_target, tmp_path)
         assert ((x - y).norm(dim=-1) / y.norm(dim=-1)).max() < 0.05
     assert verify_store(fp8, progress=False) == []
     victim = next(r for r in s8.index if r["start"] == 0)  # pieces hold samples longest first
-    flip_byte(fp8 / "aux_scale" / "c" / "0" / "0", 1)  # uncompressed: row 0's first scale
+    flip_byte(fp8 / "aux_scale" / "c.0.0", 1)  # uncompressed: row 0's first scale
     bad = verify_store(fp8, progress=False)
     assert any(f"sample '{victim['id']}'" in b for b in bad)
 
@@ -140,7 +143,7 @@ def test_flipped_byte_is_named_by_verify_and_reader(tiny_target, tmp_path):
     # uncompressed: shard 0 of `final` is its chunks (rows + a 4-byte crc32c each), then the index
     victim = next(r for r in store.index if r["start"] == 0)  # shard 0's first sample (pieces: longest first)
     row = victim["start"] + victim["length"] // 2
-    flip_byte(out / "final" / "c" / "0" / "0", (row // C) * (C * H * 2 + 4) + (row % C) * H * 2 + 7)
+    flip_byte(out / "final" / "c.0.0", (row // C) * (C * H * 2 + 4) + (row % C) * H * 2 + 7)
     bad = verify_store(out, progress=False)
     chunk = range((row // C) * C, (row // C + 1) * C)
     named = [r for r in store.index if any(f"sample '{r['id']}'" in b for b in bad)]
@@ -164,11 +167,11 @@ def test_flipped_byte_in_compressed_shard_or_shard_index(tiny_target, tmp_path):
     out, *_ = extract_tiny(tiny_target, tmp_path, codec="zstd")
     clean = tmp_path / "clean"
     shutil.copytree(out, clean)
-    shard = out / "aux" / "c" / "0" / "0" / "0"
+    shard = out / "aux" / "c.0.0.0"
     flip_byte(shard, shard.stat().st_size // 3)  # inside compressed chunk data
     bad = verify_store(out, progress=False)
     assert bad and all("store p" in b and "sample '" in b for b in bad)
-    shard = clean / "aux" / "c" / "0" / "0" / "0"
+    shard = clean / "aux" / "c.0.0.0"
     flip_byte(shard, shard.stat().st_size - 6)  # inside the checksummed shard index
     bad = verify_store(clean, progress=False)
     assert bad and all("sample '" in b for b in bad)
@@ -198,21 +201,23 @@ def test_verify_cli_ok_exit_zero(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "codec, direct, states",
-    [("zstd", True, "bf16"), ("none", True, "bf16"), ("zstd", False, "bf16"), ("zstd", True, "fp8")],
-)
-def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, codec, direct, states):
+    "codec, direct, states, sep",
+    [("zstd", True, "bf16", "."), ("none", True, "bf16", "."), ("zstd", False, "bf16", "."), ("zstd", True, "fp8", "."),
+     ("zstd", True, "bf16", "/")],
+)  # fmt: skip
+def test_our_shard_writer_is_byte_identical_to_zarr(tmp_path, codec, direct, states, sep):
     """Pieces are encoded without zarr (shard_writer); the files must be exactly what zarr writes for
     the array metadata it created: same chunk bytes, crc32c, index, left-out fill chunks, no file
     for an all-fill shard. Written with O_DIRECT (block padding cut off again) and buffered; bf16
-    states and fp8 (uint8 states + float32 scale arrays)."""
+    states and fp8 (uint8 states + float32 scale arrays); shard files side by side (".") or a
+    directory per piece ("/", the layout stores had before, which zarr still reads)."""
     import zarr
 
     from eaglenest.store import shard_writer
     from eaglenest.store.hidden_store import Layout, create_arrays
     from eaglenest.store.shard_writer import shard_files, write_piece
 
-    layout = Layout(hidden=16, n_aux=3, chunk_tokens=16, shard_tokens=64, codec=codec, level=1, states=states)
+    layout = Layout(16, 3, chunk_tokens=16, shard_tokens=64, codec=codec, level=1, states=states, key_separator=sep)
     ours, ref = tmp_path / "ours", tmp_path / "zarr"
     for d in (ours, ref):
         create_arrays(zarr.open_group(str(d), mode="w"), layout, 3)

@@ -63,6 +63,10 @@ class Layout:
     codec: str = "zstd"
     level: int = 1
     states: str = "bf16"  # state_format: bf16 | fp8
+    # shard files named <array>/c.<piece>.0..., side by side: DVC md5-hashes a directory's files
+    # core.checksum_jobs at a time but one directory at a time, so zarr's default "/" (a directory per
+    # piece) hashed a store on one core. Readers take it from each array's zarr.json: "/" stores still read.
+    key_separator: str = "."
 
     @staticmethod
     def for_sizes(
@@ -114,6 +118,7 @@ def create_arrays(group: zarr.Group, layout: Layout, n_pieces: int) -> None:
             shards=(S, *row),
             dtype=dtype,
             compressors=comp,
+            chunk_key_encoding={"name": "default", "separator": layout.key_separator},
             fill_value=fill_value(name),
             overwrite=True,
         )

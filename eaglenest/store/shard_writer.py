@@ -27,8 +27,12 @@ EMPTY = np.uint64(2**64 - 1)  # the shard index entry of a chunk that was not wr
 
 
 def shard_files(store: Path, piece: int, layout: Layout) -> dict[str, Path]:
-    """name -> the shard file of `piece` (zarr's default key encoding: c/<piece>/0/... per extra axis)."""
-    return {name: Path(store, name, "c", str(piece), *["0"] * len(row)) for name, (row, _) in layout.arrays().items()}
+    """name -> the shard file of `piece`: zarr's default key encoding, c<sep><piece><sep>0... per extra axis."""
+    sep = layout.key_separator
+    return {
+        name: Path(store, name, sep.join(["c", str(piece), *["0"] * len(row)]))
+        for name, (row, _) in layout.arrays().items()
+    }
 
 
 def crc32c(b) -> bytes:
