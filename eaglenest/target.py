@@ -206,6 +206,15 @@ def pick_device(device: str) -> str:
     return device
 
 
+def use_device(device: str) -> None:
+    """An indexed GPU (`cuda:N`) as the calling thread's current device: Triton's kernels, streams and
+    events go to the current device, not to their tensors'. Each thread has its own; others: nothing."""
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)
+
+
 # transformers patches global state (torch's default dtype) while it builds a model: one build at a time
 LOADING = threading.Lock()
 

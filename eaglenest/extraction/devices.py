@@ -19,7 +19,7 @@ from tqdm import tqdm
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.plan import Piece
 from eaglenest.store.hidden_store import Layout
-from eaglenest.target import Target
+from eaglenest.target import Target, use_device
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,7 @@ def _run(i: int, jobs: list[Job]) -> None:
 
     job = jobs[i]
     torch.set_num_threads(job.threads)
-    if job.device.startswith("cuda:"):  # the backend's streams and events go to the current device
-        torch.cuda.set_device(job.device)
+    use_device(job.device)  # the backend's streams and events go to the current device
     backend = make_backend(job.backend, target=job.target, device=job.device, **job.backend_kw)
     try:
         names, seqs = read_tokenized(job.tokenized)

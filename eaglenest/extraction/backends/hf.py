@@ -16,7 +16,7 @@ from eaglenest.extraction.backends import llama
 from eaglenest.extraction.backends.hf_compile import LayerCompile, compile_layers, compile_length
 from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_cast, copy_weights, plan_copy
 from eaglenest.store import states as state_format
-from eaglenest.target import Target, head_dim, load_model, model_config, pick_device
+from eaglenest.target import Target, head_dim, load_model, model_config, pick_device, use_device
 from eaglenest.versions import CAPTURE_VERSIONS
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,7 @@ class HFBackend:
         states: str = "bf16",
     ):
         self.device = pick_device(device)
-        if self.device.startswith("cuda:"):  # the current device of the thread that runs the batches:
-            torch.cuda.set_device(self.device)  # Triton's kernels launch on it, not on their tensors'
+        use_device(self.device)  # of the thread that runs the batches
         if compile not in COMPILE:
             raise EaglenestError(f"extract.hf.compile must be auto, kernels, layers, true or false, got {compile!r}")
         if compile == "auto":
@@ -108,8 +107,7 @@ class HFBackend:
 
     def _load_in_thread(self) -> None:
         try:
-            if self.device.startswith("cuda:"):  # as the caller's (a worker sets its GPU's)
-                torch.cuda.set_device(self.device)
+            use_device(self.device)  # as the caller's
             self._load()
         except BaseException as e:  # raised by `load`, in the caller's thread
             self.load_error = e

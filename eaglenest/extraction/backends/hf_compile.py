@@ -10,6 +10,7 @@ import time
 import torch
 
 from eaglenest.extraction.backends.llama import Decoder, rotary
+from eaglenest.target import use_device
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,7 @@ class LayerCompile:
         t, cpu = time.perf_counter(), time.thread_time()
         s = self.decoder.spec
         try:
-            if device.startswith("cuda:"):  # a thread's own current device: Triton launches on it
-                torch.cuda.set_device(device)
+            use_device(device)  # this thread's own current device: Triton launches on it
             # torch.compile imports dynamo: ~1 s, off the loading thread
             self.compiled = torch.compile(self.decoder.layer) if self.dynamo else self.decoder.layer
             w = self.decoder.per_layer[0]
