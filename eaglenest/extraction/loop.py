@@ -236,7 +236,8 @@ def _extract_part(
             raise GateFailed(metrics)
         t_publish = time.time()
         _finalize(work, out_dir)
-        metrics["fixed_cost"]["publish_s"] = round(time.time() - t_publish, 2)
+        # milliseconds: renames and fsyncs, often under the 5 ms that two decimals would show as 0
+        metrics["fixed_cost"]["publish_s"] = round(time.time() - t_publish, 3)
         metrics["total_seconds"] = round(time.time() - t0, 2)
         metrics["committed"] = True
         return metrics
