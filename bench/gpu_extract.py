@@ -140,9 +140,20 @@ def run_part(ws: Path, part: str) -> dict:
     (ws / "logs" / f"{part}.log").write_text(p.stderr)  # the stage's log, for a reader of the figures
     if p.returncode != 0:
         sys.exit(f"extract {part} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    rep = json.loads((ws / "reports" / "extract" / f"{part}.json").read_text())
+    rep = part_figures(ws, part)
     rep["outside_wall_s"] = round(outside_s, 2)
     return rep
+
+
+def part_figures(ws: Path, part: str) -> dict:
+    """A part's report and its timing (stages/_figures.py split them) as one dict again."""
+
+    def merge(a: dict, b: dict) -> dict:
+        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                        for k, v in b.items()}}  # fmt: skip
+
+    read = lambda *p: json.loads(Path(ws, "reports", *p, "extract", f"{part}.json").read_text())
+    return merge(read(), read("timing"))
 
 
 def state_bytes_per_token(cfg: dict) -> int:
@@ -222,7 +233,7 @@ def dvc_repro(root: Path, args, parts: list[str], flops_per_token: float, peak: 
     (ws / "logs" / "dvc_repro.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         sys.exit(f"dvc repro failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
-    reports = {part: json.loads((ws / "reports" / "extract" / f"{part}.json").read_text()) for part in parts}
+    reports = {part: part_figures(ws, part) for part in parts}
     stages_s = sum(r["wall_s"] for r in reports.values())
     tokens = sum(r["tokens"] for r in reports.values())
     out = {"checksum_jobs": jobs or "dvc default",

@@ -21,8 +21,9 @@
         ablations side by side: each queued as a DVC experiment, then run by DVC's queue workers at once
         (`dvc queue start -j`), each recorded like `exp`'s when it is done; the same `queue` command
         waits again if the budget ends first.
-    python -m bench.gpu_profile report [--out DIR]
-        gathers the stage times and metrics into gpu_profile.json (bench/results/ format).
+    python -m bench.gpu_profile report [--out DIR] [--with-drafter]
+        gathers the stage times and reports into gpu_profile.json (bench/results/ format); the
+        exported drafter too only with --with-drafter (weights do not belong in bench/results/).
 
 Each call starts by running `setup` again: code edits here reach the machine, the work repo's
 dvc.lock and data stay. See bench/gpu_carry.py for getting the packages and data there first."""
@@ -45,6 +46,7 @@ SKIP = {
     ".venv-sglang",
     "data",
     "metrics",
+    "reports",
     "dvc.lock",
     ".eaglenest",
     "dvclive",
@@ -100,7 +102,7 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
         else:
             shutil.copy2(item, dst)
     if fresh:  # DVC's .gitignore files (DVC adds the profile's outputs to them) and part pointers
-        for d in ("data", "metrics"):
+        for d in ("data", "metrics", "reports"):
             shutil.copytree(
                 REPO / d,
                 work / d,
@@ -322,8 +324,8 @@ def experiment(work: Path, name: str, sets: list[str], budget: float) -> None:
 
 
 def record_exp(work: Path, name: str, sets: list[str], rc: int, wall_s: float | None) -> None:
-    """The workspace's metrics (an experiment's, run or applied) as a row of gpu_experiments.json."""
-    m = work / "metrics"
+    """The workspace's reports (an experiment's, run or applied) as a row of gpu_experiments.json."""
+    m = work / "reports"
     row = {"name": name, "set": sets, "exit": rc, "wall_s": wall_s}
     for rel in ("evaluate.json", "train.json", "pack.json"):
         if (m / rel).exists():
@@ -399,37 +401,38 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
 
 
 def save_baseline(work: Path) -> Path:
-    """A copy of the profile's own metrics, which `restore` puts back after an experiment."""
+    """A copy of the profile's own metrics and reports, which `restore` puts back after an experiment."""
     saved = work / "bench" / "out" / "baseline"
     shutil.rmtree(saved, ignore_errors=True)
-    shutil.copytree(work / "metrics", saved / "metrics")
+    for d in ("metrics", "reports"):
+        shutil.copytree(work / d, saved / d)
     return saved
 
 
 def restore(work: Path, saved: Path) -> None:
     """The profile's params, dvc.lock, metrics and outputs back in the work repo."""
     sh(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], work)
-    shutil.rmtree(work / "metrics")
-    shutil.copytree(saved / "metrics", work / "metrics")
+    for d in ("metrics", "reports"):
+        shutil.rmtree(work / d)
+        shutil.copytree(saved / d, work / d)
     sh(["dvc", "checkout", "--quiet"], work)
 
 
-def report(work: Path, out: Path) -> None:
-    m = work / "metrics"
+def report(work: Path, out: Path, with_drafter: bool = False) -> None:
+    r = work / "reports"
 
     def load(rel):
-        p = m / rel
+        p = r / rel
         return json.loads(p.read_text()) if p.exists() else {}
 
+    def each(stage, under=r):
+        return {p.stem: json.loads(p.read_text()) for p in (under / stage).glob("*.json")}
+
     times = {k: v for k, v in json.loads((work / TIMES).read_text()).items() if not k.startswith("exp:")}
-    ev, tr, pk = load("evaluate.json"), load("train.json"), load("pack.json")
-    parts = {p.stem: p for p in (m / "generate").glob("*.json")}
-    gen = {k: json.loads(p.read_text()) for k, p in parts.items()}
-    ext = {p.stem: json.loads(p.read_text()) for p in (m / "extract").glob("*.json")}
-    # the stage's own wall clock split (forward loop vs each fixed cost): where an extract stage's time goes
-    wall = {p.stem: json.loads(p.read_text()) for p in (work / "reports" / "extract").glob("*.json")}
-    tok = {p.stem: json.loads(p.read_text()) for p in (m / "tokenize").glob("*.json")}
-    cut = [json.loads(p.read_text()) for p in (m / "sharegpt").glob("*.json")]
+    ev, tr, pk, ev_time = load("evaluate.json"), load("train.json"), load("pack.json"), load("timing/evaluate.json")
+    gen, gen_time, ext, tok = each("generate"), each("generate", r / "timing"), each("extract"), each("tokenize")
+    wall = each("extract", r / "timing")  # the stage's own wall clock split: forward loop vs each fixed cost
+    cut = list(each("sharegpt").values())
     by_kind = {}
     for stage, s in times.items():
         kind = stage.split("@")[0]
@@ -439,9 +442,10 @@ def report(work: Path, out: Path) -> None:
         "accept_per_position": ev.get("accept_rate_per_position"),
         "questions": ev.get("questions"),
         "identical_to_greedy": ev.get("identical_to_greedy"),
-        "speedup": ev.get("speedup"),
-        "tokens_per_s_plain": ev.get("tokens_per_s_plain"),
-        "tokens_per_s_spec": ev.get("tokens_per_s_spec"),
+        "speedup": {k: v["speedup"] for k, v in ev_time.get("k", {}).items()},
+        "tokens_per_s_plain": ev_time.get("tokens_per_s_plain"),
+        "tokens_per_s_spec": {k: v["tokens_per_s"] for k, v in ev_time.get("k", {}).items()},
+        "break_even_tau": {k: v["break_even_tau"] for k, v in ev_time.get("k", {}).items()},
         "max_new_tokens": ev.get("max_new_tokens"),
         "specforge_tau_ratio": None,
         "wall_s": {"total": round(sum(times.values()), 1), **by_kind},
@@ -457,15 +461,14 @@ def report(work: Path, out: Path) -> None:
             "skipped_context": sum(g.get("skipped_context", 0) for g in gen.values()),
             "skipped_empty": sum(g.get("skipped_empty", 0) for g in gen.values()),
             "generated_tokens": sum(g.get("generated_tokens", 0) for g in gen.values()),
-            "decode_s": round(sum(g.get("decode_seconds", 0) for g in gen.values()), 1),
+            "decode_s": round(sum(g.get("decode_s", 0) for g in gen_time.values()), 1),
         },
         "tokenized_tokens": sum(t.get("tokens", 0) for t in tok.values()),
         "loss_tokens": sum(t.get("loss_tokens", 0) for t in tok.values()),
         "extract": {
             k: {
-                "tokens_per_s": e.get("tokens_per_s"),
-                "gate_passed": e.get("gate_passed"),
-                **{f: wall.get(k, {}).get(f) for f in ("wall_s", "forward_s", "fixed_cost")},
+                "gate_passed": e.get("validation", {}).get("passed"),
+                **{f: wall.get(k, {}).get(f) for f in ("tokens_per_s", "wall_s", "forward_s", "fixed_cost")},
             }
             for k, e in ext.items()
         },
@@ -476,7 +479,6 @@ def report(work: Path, out: Path) -> None:
             for k in (
                 "epochs",
                 "steps",
-                "tokens_per_s",
                 "train_loss",
                 "val_loss",
                 "val_acc_per_step",
@@ -484,6 +486,7 @@ def report(work: Path, out: Path) -> None:
             )
         },
     }
+    res["train"]["tokens_per_s"] = load("timing/train.json").get("tokens_per_s")
     g = res["generate"]
     g["tokens_per_s"] = round(g["generated_tokens"] / g["decode_s"], 1) if g["decode_s"] else None
     out.mkdir(parents=True, exist_ok=True)
@@ -504,10 +507,11 @@ def report(work: Path, out: Path) -> None:
             for r in json.loads((work / EXPS).read_text())
         ]
     (out / "gpu_profile.json").write_text(json.dumps(res, indent=1) + "\n")
-    for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json"):
-        if (m / rel).exists():
-            shutil.copy(m / rel, out / rel)
-    if (work / "data" / "drafter" / "config.json").exists():  # the drafter itself (~45 MB): served on the CPU later
+    for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json", "timing/evaluate.json"):
+        if (r / rel).exists():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(r / rel, out / rel)
+    if with_drafter and (work / "data" / "drafter" / "config.json").exists():  # ~45 MB: to serve it elsewhere
         shutil.copytree(work / "data" / "drafter", out / "drafter", dirs_exist_ok=True)
     with open(out / "stage_logs.txt", "w") as f:  # the end of each stage's output
         for log in sorted((work / "bench" / "out" / "logs").glob("*.log")):
@@ -541,6 +545,7 @@ def main() -> None:
     r2.add_argument("--budget", type=float, default=540)
     o = sub.add_parser("report")
     o.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    o.add_argument("--with-drafter", action="store_true", help="also copy data/drafter (~45 MB) into --out")
     a = ap.parse_args()
     if a.cmd == "setup":
         setup(a.workdir, a.profile, a.sets)
@@ -558,7 +563,7 @@ def main() -> None:
     elif a.cmd == "queue":
         run_queue(a.workdir, a.jobs, a.budget)
     else:
-        report(a.workdir, a.out)
+        report(a.workdir, a.out, a.with_drafter)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ weights, checkpoints (SIGINT saves one; the same command resumes). The validatio
 eaglenest's TTT evaluation of SpecForge's weights. At the end the weights go into eaglenest's
 `Eagle3Drafter` (the parameter names are the same), `save_pretrained` writes DIR/drafter, and
 `python -m stages.evaluate --drafter DIR/drafter` measures tau; its metrics are kept in DIR and the
-workspace's own metrics/evaluate*.json are put back.
+workspace's own evaluate outputs (metrics/, reports/) are put back.
 
 SpecForge is no dependency of eaglenest: install its wheel with --no-deps; it imports triton, so it
 runs on CUDA only.
@@ -34,6 +34,15 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+EVALUATE_OUTPUTS = (  # what the evaluate stage writes (stages/evaluate.py)
+    "metrics/evaluate.json",
+    "metrics/evaluate_positions.csv",
+    "reports/evaluate.json",
+    "reports/evaluate_questions.json",
+    "reports/timing/evaluate.json",
+)
 
 
 def specforge_trainer(packed: Path, target, cfg, ckpt_dir: Path, attention: str = "flex_attention"):
@@ -182,20 +191,20 @@ def main() -> None:
     }  # fmt: skip
     (out / "specforge.json").write_text(json.dumps(res, indent=1))
     if not a.skip_eval:
-        kept = {f: Path("metrics", f).read_bytes() for f in ("evaluate.json", "evaluate_questions.json")
-                if Path("metrics", f).exists()}  # fmt: skip
+        outputs = [Path(f) for f in EVALUATE_OUTPUTS]
+        kept = {f: f.read_bytes() for f in outputs if f.exists()}  # the workspace's own, put back after
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-m", "stages.evaluate", "--drafter", str(out / "drafter"), "--no-progress"]
         r = subprocess.run(cmd, env=env)
         res["evaluate_exit"] = r.returncode  # non-zero also when tau is under evaluate.min_tau
-        if Path("metrics/evaluate.json").exists():
-            ev = json.loads(Path("metrics/evaluate.json").read_text())
+        if Path("reports/evaluate.json").exists():
+            ev = json.loads(Path("reports/evaluate.json").read_text())
             res["evaluate"] = {k: ev.get(k) for k in ("tau", "accept_rate_per_position", "identical_to_greedy")}
-            for f in ("evaluate.json", "evaluate_questions.json"):
-                if Path("metrics", f).exists():
-                    shutil.copy(Path("metrics", f), out / f)
+            for f in outputs:
+                if f.exists():
+                    shutil.copy(f, out / f.name.replace(".json", f"_{f.parent.name}.json"))
         for f, data in kept.items():
-            Path("metrics", f).write_bytes(data)
+            f.write_bytes(data)
         (out / "specforge.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
 

@@ -2,6 +2,8 @@
 
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -13,15 +15,45 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, obj, durable: bool = False) -> None:
+@contextmanager
+def replaced_file(path: Path):
+    """Yields `<path>.tmp` to write; when the block ends it replaces `path`. If the block fails (a full
+    disk, a bad value) the temp file is removed and `path` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    try:
+        yield tmp
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj, durable: bool = False) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"  # before any file exists: may raise
+    with replaced_file(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
         if durable:
             f.flush()
             os.fsync(f.fileno())
-    tmp.replace(path)
     if durable:
-        fsync_path(path.parent)
+        fsync_path(Path(path).parent)
+
+
+@contextmanager
+def replaced_dir(path: Path):
+    """Yields `<path>.tmp`, fresh; when the block ends, it replaces `path`. If the block fails the
+    temp directory is removed and `path` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

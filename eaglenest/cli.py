@@ -1,12 +1,15 @@
 """`eaglenest` command line: inspect and verify hidden-state stores.
 
-eaglenest verify data/hidden/*      re-hash every sample; exit 1 if any does not match
+eaglenest verify data/hidden/*      re-hash every sample; exit 1 if any does not match (a missing
+                                    shard file is named with the samples it held)
 eaglenest info data/hidden/<part>   attributes, sample and token counts
 eaglenest stores [data/hidden]      list stores grouped by extractor fingerprint
 eaglenest invalidate                list extractor fingerprints and the parts each one made
 eaglenest invalidate FP [--run]     re-extract exactly the parts made by extractor FP (prefix)
 eaglenest profile                   list the params profiles (profiles/*.yaml)
 eaglenest profile NAME [--dry-run]  write profile NAME's keys into params.yaml
+
+A path that is missing, empty or of the wrong kind fails the command (exit 2), naming it.
 """
 
 import argparse
@@ -19,12 +22,32 @@ from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 
+def directory(path, what: str) -> Path:
+    """`path` as an existing directory, or an error naming it and what was expected there."""
+    p = Path(path)
+    if not p.exists():
+        raise EaglenestError(f"{p}: no such {what}")
+    if not p.is_dir():
+        raise EaglenestError(f"{p}: a file, not a {what}")
+    return p
+
+
+def store_dir(path) -> Path:
+    p = directory(path, "hidden-state store (a directory such as data/hidden/<part>)")
+    if not (p / "zarr.json").is_file():
+        inside = find_stores(p)
+        hint = f"; it holds {len(inside)} store(s): `eaglenest stores {p}` lists them" if inside else ""
+        raise EaglenestError(f"{p}: not a hidden-state store (no zarr.json){hint}")
+    return p
+
+
 def cmd_verify(args) -> int:
+    stores = [store_dir(p) for p in args.stores]  # every path checked before any long work
     bad_total = 0
-    for path in args.stores:
-        bad = verify_store(Path(path), progress=not args.quiet)
+    for path in stores:
+        bad = verify_store(path, progress=not args.quiet)
         for msg in bad:
-            print(f"CORRUPT {msg}")
+            print(f"BAD     {msg}")
         if not bad:
             print(f"OK      {path}")
         bad_total += len(bad)
@@ -34,7 +57,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_info(args) -> int:
-    print(json.dumps(HiddenStore(Path(args.store)).describe(), indent=2, sort_keys=True))
+    print(json.dumps(HiddenStore(store_dir(args.store)).describe(), indent=2, sort_keys=True))
     return 0
 
 
@@ -42,28 +65,47 @@ def find_stores(root: Path) -> list[Path]:
     return sorted(p.parent for p in Path(root).glob("*/zarr.json"))
 
 
-def cmd_stores(args) -> int:
-    groups = defaultdict(list)
-    for path in find_stores(Path(args.root)):
+def stores_under(root) -> list[Path]:
+    """The stores in `root` (data/hidden by default); an error if there are none."""
+    root = directory(root, "directory of hidden-state stores")
+    found = find_stores(root)
+    if not found:
+        raise EaglenestError(f"{root}: no hidden-state stores in it (each is a <part>/ directory with a zarr.json)")
+    return found
+
+
+def read_stores(root) -> tuple[list[HiddenStore], list[str]]:
+    """(the readable stores under root, one line per unreadable one)."""
+    stores, bad = [], []
+    for path in stores_under(root):
         try:
-            s = HiddenStore(path)
-            groups[s.attrs["extractor_fingerprint"]].append((path, s.attrs["extractor"], len(s), s.n_tokens))
+            stores.append(HiddenStore(path))
         except EaglenestError as e:
-            print(f"UNREADABLE {path}: {e}")
+            bad.append(f"UNREADABLE {path}: {e}")
+    return stores, bad
+
+
+def cmd_stores(args) -> int:
+    stores, bad = read_stores(args.root)
+    groups = defaultdict(list)
+    for s in stores:
+        groups[s.attrs["extractor_fingerprint"]].append(s)
+    for line in bad:
+        print(line)
     for fp, rows in groups.items():
-        print(f"extractor {fp[:16]}  {json.dumps(rows[0][1], sort_keys=True)}")
-        for path, _, n, t in rows:
-            print(f"  {path}  {n} samples, {t} tokens")
-    return 0
+        print(f"extractor {fp[:16]}  {json.dumps(rows[0].attrs['extractor'], sort_keys=True)}")
+        for s in rows:
+            print(f"  {s.path}  {len(s)} samples, {s.n_tokens} tokens")
+    return 1 if bad else 0
 
 
 def parts_by_extractor(root: Path) -> dict[str, list[str]]:
+    stores, bad = read_stores(root)
+    for line in bad:
+        print(line)
     out = defaultdict(list)
-    for path in find_stores(root):
-        try:
-            out[HiddenStore(path).attrs["extractor_fingerprint"]].append(path.name)
-        except EaglenestError as e:
-            print(f"UNREADABLE {path}: {e}")
+    for s in stores:
+        out[s.attrs["extractor_fingerprint"]].append(s.path.name)
     return out
 
 
@@ -73,13 +115,17 @@ def cmd_invalidate(args) -> int:
 
     groups = parts_by_extractor(Path(args.root))
     if not args.fingerprint:
-        cmd_stores(args)
-        return 0
+        return cmd_stores(args)
     hits = [fp for fp in groups if fp.startswith(args.fingerprint)]
-    if len(hits) != 1:
+    if not hits:
         raise EaglenestError(
-            f"extractor fingerprint prefix {args.fingerprint!r} matches {len(hits)} of "
-            f"{len(groups)} extractors; give a longer prefix (see `eaglenest invalidate`)"
+            f"extractor fingerprint prefix {args.fingerprint!r} matches none of the {len(groups)} extractor(s) "
+            f"of the stores in {args.root}: {', '.join(fp[:16] for fp in groups)} (`eaglenest invalidate` lists them)"
+        )
+    if len(hits) > 1:
+        raise EaglenestError(
+            f"extractor fingerprint prefix {args.fingerprint!r} matches {len(hits)} extractors "
+            f"({', '.join(fp[:16] for fp in hits)}); give a longer prefix"
         )
     parts = sorted(groups[hits[0]])
     cmds = [["dvc", "repro", "--force", "--single-item", f"extract@{p}"] for p in parts]
@@ -99,8 +145,14 @@ def cmd_invalidate(args) -> int:
 def cmd_profile(args) -> int:
     from eaglenest import profile
 
+    profiles = directory(args.dir, "profiles directory")
+    if args.name and not Path(args.params).is_file():
+        raise EaglenestError(f"{args.params}: no such params file")
     if not args.name:
-        for p in sorted(Path(args.dir).glob("*.yaml")):
+        found = sorted(profiles.glob("*.yaml"))
+        if not found:
+            raise EaglenestError(f"{profiles}: no profiles (*.yaml) in it")
+        for p in found:
             first = next((line.lstrip("# ").strip() for line in p.read_text().splitlines() if line.startswith("#")), "")
             print(f"{p.stem:12s} {first}")
         return 0

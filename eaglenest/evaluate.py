@@ -17,9 +17,10 @@ import torch
 from tqdm import tqdm
 
 from eaglenest.decoding import batched_speculative
-from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
+from eaglenest.decoding.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.errors import EaglenestError
+from eaglenest.made_on import made_on
 from eaglenest.target import Target, load_model, load_tokenizer, pick_device, stop_ids
 from eaglenest.wheels import package_file
 
@@ -84,7 +85,7 @@ def evaluate(
     batch_size: int = 1,
     speed_questions: int | None = None,
     progress: bool = True,
-) -> tuple[dict, list[dict]]:
+) -> tuple[dict, dict, list[dict]]:
     device = pick_device(device)
     if device.startswith("cuda"):
         growable_gpu_segments()  # before the first allocation
@@ -116,10 +117,10 @@ def evaluate(
 
         plain = [r.out for r in run(0)]
         spec = {k: [(r.out, r.accepted) for r in run(k)] for k in ks}
-        speed = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, ks)
+        clock = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, ks)
     else:
         runner = TargetRunner(model, taps)
-        plain, spec, clock = [], {k: [] for k in ks}, {k: [0, 0.0] for k in [None, *ks]}
+        plain, spec, clock = [], {k: [] for k in ks}, Clock(ks)
         for i, x in enumerate(tqdm(ids, desc="evaluate", unit="q", disable=not progress)):
             runs = {None: greedy_decode(runner, x, max_new_tokens, eos)}
             runs.update({k: speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k) for k in ks})
@@ -128,9 +129,7 @@ def evaluate(
                 spec[k].append((runs[k].tokens, runs[k].accepted))
             if i < len(timed):
                 for k, d in runs.items():
-                    clock[k][0] += len(d.tokens)
-                    clock[k][1] += d.seconds
-        speed = {"plain" if k is None else k: round(n / t, 2) if t else None for k, (n, t) in clock.items()}
+                    clock.add(k, d)
 
     metrics = {
         "questions": len(prompts),
@@ -146,9 +145,7 @@ def evaluate(
         "identical_to_greedy": {},
         "mismatches": {},
         "verifications": {},
-        "tokens_per_s_plain": speed["plain"],
-        "tokens_per_s_spec": {},
-        "speedup": {},
+        **made_on(device),
     }
     per_q = [{"id": p["id"], "category": p["category"], "tokens": len(g)} for p, g in zip(prompts, plain)]
     for k in ks:
@@ -158,8 +155,6 @@ def evaluate(
         metrics["tau"][key], metrics["accept_rate_per_position"][key] = a["tau"], a["per_position"]
         metrics["verifications"][key] = a["verifications"]
         metrics["identical_to_greedy"][key], metrics["mismatches"][key] = sum(same), len(same) - sum(same)
-        metrics["tokens_per_s_spec"][key] = speed[k]
-        metrics["speedup"][key] = round(speed[k] / speed["plain"], 3) if speed["plain"] else None
         for q, ok, (_, acc) in zip(per_q, same, spec[k]):
             q[f"identical_k{k}"] = ok
             q[f"tau_k{k}"] = float(np.mean([x + 1 for x in acc])) if acc else None
@@ -171,28 +166,80 @@ def evaluate(
                 len(same),
                 [q["id"] for q, ok in zip(per_q, same) if not ok],
             )
-    return metrics, per_q
+    return metrics, clock.figures(metrics["tau"]), per_q
+
+
+class Clock:
+    """Batch-1 decoding time per mode (None = plain greedy, else k), and the speed figures: tokens/s,
+    the speedup, and why. Past the prompt's forward, plain decoding costs one target step a token, and
+    speculative decoding one round per verification: k draft steps, then one target forward of k + 1
+    tokens. A round yields tau tokens on average, so it pays off from tau = round / target step (the
+    break-even tau; speedup ~ tau / break-even tau, up to the prompt's forward and the last round)."""
+
+    def __init__(self, ks: list[int]):
+        self.ks = list(ks)
+        modes = [None, *ks]
+        self.tokens, self.seconds, self.prefill = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), {}
+        self.prompts = dict.fromkeys(modes, 0)
+        self.draft_seconds, self.rounds = dict.fromkeys(ks, 0.0), dict.fromkeys(ks, 0)
+
+    def add(self, k: int | None, d: Decoded, seconds: float | None = None) -> None:
+        self.tokens[k] += len(d.tokens)
+        self.seconds[k] += d.seconds if seconds is None else seconds
+        self.prefill[k] = self.prefill.get(k, 0.0) + d.prefill_seconds
+        self.prompts[k] += 1
+        if k is not None:
+            self.draft_seconds[k] += d.draft_seconds
+            self.rounds[k] += len(d.accepted)
+
+    def figures(self, tau: dict) -> dict:
+        steps = self.tokens[None] - self.prompts[None]  # the first token comes from the prompt's forward
+        if steps <= 0:
+            return {}
+        step = (self.seconds[None] - self.prefill[None]) / steps
+        out = {
+            "tokens_per_s_plain": round(self.tokens[None] / self.seconds[None], 2),
+            "target_step_ms": round(1000 * step, 2),
+            "prefill_ms": round(1000 * self.prefill[None] / self.prompts[None], 2),
+            "k": {},
+        }
+        for k in self.ks:
+            if not self.rounds[k]:
+                continue
+            rnd = (self.seconds[k] - self.prefill[k]) / self.rounds[k]
+            drafting = self.draft_seconds[k] / self.rounds[k]
+            out["k"][str(k)] = {
+                "tokens_per_s": round(self.tokens[k] / self.seconds[k], 2),
+                "speedup": round(self.tokens[k] / self.seconds[k] * self.seconds[None] / self.tokens[None], 3),
+                "tau": round(tau.get(str(k), float("nan")), 4),
+                "round_ms": round(1000 * rnd, 2),
+                "draft_step_ms": round(1000 * drafting / k, 2),
+                "verify_ms": round(1000 * (rnd - drafting), 2),
+                "break_even_tau": round(rnd / step, 3),
+            }
+        if out["k"]:
+            out["best_k"] = int(max(out["k"], key=lambda k: out["k"][k]["speedup"]))
+        return out
 
 
 def decode_speed(
     model, taps, drafter, embed, prompts: list[list[int]], max_new_tokens: int, eos: set, ks: list[int]
-) -> dict:
-    """Tokens/s of batch-1 plain greedy and speculative decoding (per k) over the same prompts, the
-    modes interleaved question by question: batch-1 decoding is launch-bound, so the host's state
-    (clocks, other processes) moves it, and interleaving puts any drift on every mode alike."""
+) -> Clock:
+    """Batch-1 plain greedy and speculative decoding (per k) over the same prompts, the modes
+    interleaved question by question: batch-1 decoding is launch-bound, so the host's state (clocks,
+    other processes) moves it, and interleaving puts any drift on every mode alike."""
     runner = TargetRunner(model, taps)
     if prompts:  # warm-up: first calls pay allocator and kernel selection
         greedy_decode(runner, prompts[0], 4, eos)
         speculative_decode(runner, drafter, embed, prompts[0], 4, eos, ks[0])
-    clock = {k: [0, 0.0] for k in [None, *ks]}
+    clock = Clock(ks)
     for x in prompts:
-        for k, c in clock.items():
+        for k in [None, *ks]:
             t0 = time.perf_counter()
             d = (
                 greedy_decode(runner, x, max_new_tokens, eos)
                 if k is None
                 else speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k)
             )
-            c[0] += len(d.tokens)
-            c[1] += time.perf_counter() - t0
-    return {"plain" if k is None else k: round(n / dt, 2) if dt > 0 else None for k, (n, dt) in clock.items()}
+            clock.add(k, d, time.perf_counter() - t0)
+    return clock

@@ -99,7 +99,7 @@ def serve_check(
     drafts = c.get("spec_decode_num_drafts", 0)
     if not drafts:
         raise EaglenestError(f"the vLLM server reported no speculative drafts (counters: {c}); log {log_dir}")
-    offline, _ = evaluate(target, drafter_dir, prompts, [k], max_new_tokens, progress=False)
+    offline, _, _ = evaluate(target, drafter_dir, prompts, [k], max_new_tokens, progress=False)
     same = [a == b for a, b in zip(outputs["spec"], outputs["plain"])]
     per_q = [{"id": p["id"], "tokens": len(s), "identical": ok} for p, s, ok in zip(prompts, outputs["spec"], same)]
     key = str(k)

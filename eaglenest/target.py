@@ -6,11 +6,11 @@ once through transformers' GGUF loader. Any local HF causal-LM directory works a
 
 import json
 import logging
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglenest.atomic import replaced_dir
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import DigestCache, sha256_file, sha256_text
 from eaglenest.wheels import package_file
@@ -93,12 +93,9 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     # The GGUF quantizer stays attached after a dequantising load and blocks save_pretrained.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    with replaced_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
 
 
 def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16", digests: Path | None = None) -> Target:

@@ -28,11 +28,21 @@ def hidden(name: str) -> Path:
     return HIDDEN / name
 
 
-def metrics(stage: str, name: str | None = None, ext: str = "json") -> Path:
-    """metrics/<stage>.json, or metrics/<stage>/<part>.json for a per-part stage."""
-    return Path("metrics", stage, f"{name}.{ext}") if name else Path("metrics", f"{stage}.{ext}")
+def metrics(stage: str, ext: str = "json") -> Path:
+    """metrics/<stage>.json: a stage's headline figures, in git (`cache: false`), the columns of
+    `dvc metrics show`; made only by whole-pipeline stages, so a fresh clone reads every one."""
+    return Path("metrics", f"{stage}.{ext}")
 
 
-def report(stage: str, name: str) -> Path:
-    """A per-part stage's full figures, beside its headline metrics."""
-    return Path("reports", stage, f"{name}.json")
+def report(stage: str, name: str | None = None) -> Path:
+    """Every figure a stage computed that the same machine kind computes again, byte for byte:
+    reports/<stage>.json (in git), or reports/<stage>/<part>.json for a per-part stage (a cached
+    output like its data, so DVC's run-cache can restore the part on another machine)."""
+    return Path("reports", stage, f"{name}.json") if name else Path("reports", f"{stage}.json")
+
+
+def timing(stage: str, name: str | None = None) -> Path:
+    """reports/timing/<stage>[/<part>].json: wall clock and throughput, which differ on every run.
+    Neither in git nor a DVC output, so neither `dvc.lock` nor `dvc metrics diff` sees them (read
+    them with `dvc metrics show reports/timing/<stage>.json`)."""
+    return Path("reports", "timing", stage, f"{name}.json") if name else Path("reports", "timing", f"{stage}.json")

@@ -6,24 +6,32 @@ identical) and measures acceptance and the batch-1 decoding speedup.
     params: evaluate.questions, k (an int or a list), max_new_tokens, dtype, device, batch_size
             (questions decoded at once; >1 on a GPU), speed_questions (timed at batch 1; null = all),
             min_tau (the quality gate)
-Writes metrics/evaluate.json, metrics/evaluate_positions.csv (acceptance per k and draft position)
-and metrics/evaluate_questions.json (outputs that differ from greedy decoding are counted and
-named there, and warned about). The quality gate: if tau at any k is below evaluate.min_tau, the
-stage fails (exit 2) after writing the metrics, so a defective drafter (or the hidden states it
-learned from) never passes `dvc repro` quietly.
+Writes metrics/evaluate.json (tau per k, lossless, what it ran on: `dvc metrics show`),
+reports/evaluate.json (acceptance per position, verifications, mismatches per k),
+metrics/evaluate_positions.csv (acceptance per k and draft position, for `dvc plots`),
+reports/evaluate_questions.json (per question; outputs that differ from greedy decoding are named
+and warned about) and reports/timing/evaluate.json (tokens/s, speedup per k, and the break-even
+analysis: a target step's cost, a round's draft steps and verification, the tau a round needs to
+pay off). The quality gate: if tau at any k is below evaluate.min_tau, the stage fails (exit 2)
+after writing them, so a defective drafter (or the hidden states it learned from) never passes
+`dvc repro` quietly.
 """
 
 import argparse
 import csv
+import logging
 from pathlib import Path
 
 from eaglenest.atomic import write_json
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.evaluate import evaluate, mtbench_prompts
+from eaglenest.made_on import made_on
 from eaglenest.target import load_target
 
 from . import _params
 from . import _paths as paths
+
+log = logging.getLogger("stages.evaluate")
 
 
 @exit_on_error
@@ -37,7 +45,7 @@ def main(argv=None) -> None:
     if not ks or min(ks) < 1:
         raise EaglenestError(f"evaluate.k must be a chain length >= 1 or a list of them, got {p['k']!r}")
     min_tau = p["min_tau"]
-    metrics, per_q = evaluate(
+    metrics, timing, per_q = evaluate(
         load_target(paths.TARGET),
         Path(args.drafter),
         mtbench_prompts(p["questions"]),
@@ -51,19 +59,29 @@ def main(argv=None) -> None:
     )
     low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}
     metrics["min_tau"], metrics["gate_passed"] = min_tau, not low
-    write_json(paths.metrics("evaluate"), metrics)
+    lossless = all(m == 0 for m in metrics["mismatches"].values())
+    write_json(paths.metrics("evaluate"), {"tau": metrics["tau"], "lossless": lossless, **made_on(metrics["device"])})
+    write_json(paths.report("evaluate"), metrics)
+    write_json(paths.timing("evaluate"), timing)
     with open(paths.metrics("evaluate_positions", ext="csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["k", "position", "acceptance"])
         for k, rates in metrics["accept_rate_per_position"].items():
             for i, a in enumerate(rates):
                 w.writerow([k, i + 1, round(a, 5)])
-    write_json(paths.metrics("evaluate_questions"), per_q)
+    write_json(paths.report("evaluate_questions"), per_q)
+    for k, t in timing.get("k", {}).items():
+        log.info(
+            "k=%s: tau %.3f, speedup %.2fx at batch 1: a round costs %.1f ms (%s draft steps of %.1f ms, a "
+            "verification of %.1f ms) against a %.1f ms target step, so it pays off from tau %.2f",
+            k, t["tau"], t["speedup"], t["round_ms"], k, t["draft_step_ms"], t["verify_ms"],
+            timing["target_step_ms"], t["break_even_tau"],
+        )  # fmt: skip
     if low:
         raise EaglenestError(
             f"quality gate: tau {', '.join(f'{t:.3f} at k={k}' for k, t in low.items())} below "
             f"evaluate.min_tau {min_tau}; the drafter (or the hidden states it was trained on) is "
-            f"not fit to ship. Metrics: metrics/evaluate.json"
+            f"not fit to ship. Figures: metrics/evaluate.json, reports/evaluate.json"
         )
 
 

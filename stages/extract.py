@@ -9,28 +9,28 @@
             retries, capture_dir; extract.vllm.* for the vllm backend: python, server_args, concurrency),
             store.* (codec, level, chunk_mb, shard_mb, states: bf16 | fp8), validate.* (gate),
             tokenize.max_seq_len
-Writes metrics/extract/<part>.json (the headline figures `dvc metrics show` tabulates: tokens,
-tokens/s, bytes, the gate's verdict and its worst figures) and reports/extract/<part>.json (all of
-it: per-tap gate figures and thresholds, the host path's timings). A crash leaves finished pieces in
-extract.work_dir; rerunning resumes. A failed validation gate writes both and exits non-zero without
-touching data/hidden/<part>.
+Writes reports/extract/<part>.json (samples, tokens, bytes, padding, the gate's verdict with every
+tap's figures, thresholds and margins, what it was made on) and reports/timing/extract/<part>.json
+(the run: tokens/s, the wall clock split into the forward loop and each fixed cost, the host path's
+timings, resumed pieces). A crash leaves finished pieces in extract.work_dir; rerunning resumes. A
+failed validation gate writes both and exits non-zero without touching data/hidden/<part>.
 """
 
 import argparse
 import time
 from pathlib import Path
 
-from eaglenest.atomic import write_json
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.extraction.backends import make_backend
 from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.plan import batch_tokens_for
 from eaglenest.extraction.wall_clock import add_fixed_cost
+from eaglenest.made_on import made_on
 from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target, pick_device
 
-from . import _params
+from . import _figures, _params
 from . import _paths as paths
 
 
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
         raise EaglenestError(f"extract.devices {ex['devices']!r}: several devices need backend hf ({name} has its own: "
                              f"--dp-size / --data-parallel-size in extract.{name}.server_args)")  # fmt: skip
     backend = make_backend(name, target=target, device=devices[0], **options)
-    metrics_path, report_path = paths.metrics("extract", args.part), paths.report("extract", args.part)
+    report_paths = paths.report("extract", args.part), paths.timing("extract", args.part)
     try:
         metrics = extract_part(
             part=args.part,
@@ -79,41 +79,12 @@ def main(argv=None) -> None:
         )
     except GateFailed as e:
         add_fixed_cost(e.metrics, t_main, fingerprint_s)
-        write_json(report_path, e.metrics)
-        write_json(metrics_path, headline(e.metrics))
+        _figures.write(*report_paths, {**e.metrics, **made_on(pick_device(devices[0]))})
         raise
     finally:
         backend.close()  # stops a server the sglang or vllm backend launched
     add_fixed_cost(metrics, t_main, fingerprint_s)
-    write_json(report_path, metrics)
-    write_json(metrics_path, headline(metrics))
-
-
-HEADLINE = (
-    "committed",
-    "samples",
-    "tokens",
-    "tokens_extracted_now",
-    "pieces",
-    "pieces_resumed",
-    "tokens_per_s",
-    "wall_s",  # from process start; its forward loop and fixed cost are itemised in the report
-    "stored_bytes",
-    "compression_ratio",
-)
-
-
-def headline(m: dict) -> dict:
-    """A part's figures worth a column in `dvc metrics show`; the rest stays in the report."""
-    v = m.get("validation", {})
-    taps = v.get("taps", {}).values()
-    return {
-        **{k: m[k] for k in HEADLINE if k in m},
-        "fixed_s": m.get("fixed_cost", {}).get("total_s"),
-        "gate_passed": v.get("passed"),
-        "gate_worst_cosine": min((t["cosine_min"] for t in taps), default=None),
-        "gate_worst_rel_err_mean": max((t["rel_err_mean"] for t in taps), default=None),
-    }
+    _figures.write(*report_paths, {**metrics, **made_on(pick_device(devices[0]))})
 
 
 if __name__ == "__main__":

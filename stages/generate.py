@@ -4,8 +4,9 @@ greedy when temperature is 0, else sampled. Otherwise the part passes through un
 
     python -m stages.generate <part>   (params: generate.*, tokenize.max_seq_len;
                                         in: data/parts/<part>.jsonl, out: data/generated/<part>.jsonl)
-Writes metrics/generate/<part>.json: turns regenerated, cut at max_new_tokens or at the context
-(tokenize.max_seq_len), skipped (no room left, empty answer, past max_turns), tokens/s.
+Writes reports/generate/<part>.json: turns regenerated, cut at max_new_tokens or at the context
+(tokenize.max_seq_len), skipped (no room left, empty answer, past max_turns); its wall clock and
+tokens/s go to reports/timing/generate/<part>.json.
 """
 
 import argparse
@@ -17,6 +18,7 @@ from eaglenest.atomic import write_json
 from eaglenest.data.conversations import read_jsonl, write_jsonl
 from eaglenest.errors import exit_on_error
 from eaglenest.generate import regenerate
+from eaglenest.made_on import made_on
 from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
 
 from . import _params
@@ -33,12 +35,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     p = _params.load("generate")
     tokenize = _params.load("tokenize")
-    src, out, metrics = paths.part(args.part), paths.generated(args.part), paths.metrics("generate", args.part)
+    src, out, report = paths.part(args.part), paths.generated(args.part), paths.report("generate", args.part)
     convs, _ = read_jsonl(src, on_error=tokenize["on_error"])  # validate early, naming file and line
     if not p["enabled"]:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, out)
-        write_json(metrics, {"enabled": False, "conversations": len(convs)})
+        write_json(report, {"enabled": False, "conversations": len(convs)})
         log.info("part %s: generate.enabled is false, passed through %d conversations", args.part, len(convs))
         return
     t0 = time.perf_counter()
@@ -59,14 +61,15 @@ def main(argv=None) -> None:
         progress=not args.no_progress,
     )
     write_jsonl(kept, out)
-    stats.update(
-        enabled=True,
-        device=device,
-        dtype=p["dtype"],
-        temperature=float(p["temperature"]),
-        wall_s=round(time.perf_counter() - t0, 2),
-    )
-    write_json(metrics, stats)
+    timing = {
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "decode_s": stats.pop("decode_seconds"),
+        "tokens_per_s": stats.pop("tokens_per_s"),
+        "turn_s": [t.pop("seconds") for t in stats.get("per_turn", [])],
+    }
+    stats.update(enabled=True, device=device, dtype=p["dtype"], temperature=float(p["temperature"]), **made_on(device))
+    write_json(report, stats)
+    write_json(paths.timing("generate", args.part), timing)
     log.info(
         "part %s: %d of %d assistant turns regenerated (%d cut at max tokens, %d skipped), %d tokens at %.0f tok/s",
         args.part,
@@ -75,7 +78,7 @@ def main(argv=None) -> None:
         stats.get("cut_at_max_tokens", 0),
         stats.get("skipped_context", 0) + stats.get("skipped_empty", 0) + stats.get("skipped_max_turns", 0),
         stats["generated_tokens"],
-        stats["tokens_per_s"],
+        timing["tokens_per_s"],
     )
 
 

@@ -3,17 +3,25 @@
 python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb;
                             untracked: pack.device, where the teacher's argmax over the vocabulary is
                             computed, and pack.workers, processes writing shards: auto = cores, max 16)
+Writes metrics/data.json (the tokens training gets) and reports/pack.json (the split, the
+draft vocabulary's coverage, and each part's headline figures from its stages' reports: samples,
+truncated and skipped, turns regenerated, the validation gate's worst figures).
 """
 
 import argparse
+import json
+import logging
 
 from eaglenest.atomic import write_json
 from eaglenest.data.pack import pack
 from eaglenest.errors import exit_on_error
+from eaglenest.made_on import made_on
 from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params
 from . import _paths as paths
+
+log = logging.getLogger("stages.pack")
 
 
 @exit_on_error
@@ -22,10 +30,12 @@ def main(argv=None) -> None:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     params = _params.load()
-    p = params["pack"]
+    p, parts = params["pack"], params["data"]["parts"]
     target = load_target(paths.TARGET)
-    metrics = pack(
-        params["data"]["parts"],
+    headlines = {part: part_headline(part) for part in parts}
+    device = pick_device(p["device"])
+    figures = pack(
+        parts,
         paths.HIDDEN,
         paths.TOKENIZED,
         paths.PACKED,
@@ -34,10 +44,38 @@ def main(argv=None) -> None:
         val_fraction=float(p["val_fraction"]),
         shard_mb=float(p["shard_mb"]),
         progress=not args.no_progress,
-        device=pick_device(p["device"]),
+        device=device,
         workers=_params.workers(p["workers"]),
     )
-    write_json(paths.metrics("pack"), metrics)
+    made = made_on(device)
+    write_json(paths.metrics("data"), {"tokens": figures["tokens"], **made})  # the rest: reports/pack.json
+    write_json(paths.report("pack"), {**figures, "parts": headlines, **made})
+
+
+def part_headline(part: str) -> dict:
+    """A part's figures worth a line in reports/pack.json, from its stages' own reports (DVC outputs
+    cached with its data, so every part has them in a pipeline; outside one, a missing report is
+    only a warning: the packed data does not depend on it)."""
+    reports = {}
+    for stage in ("tokenize", "generate", "extract"):
+        f = paths.report(stage, part)
+        if f.is_file():
+            reports[stage] = json.loads(f.read_text())
+        else:
+            log.warning("%s: missing, so reports/pack.json lacks its figures (`dvc checkout %s` restores it)", f, f)
+    tok, ex, gen = (reports.get(k, {}) for k in ("tokenize", "extract", "generate"))
+    taps = ex.get("validation", {}).get("taps", {}).values()
+    return {
+        "samples": tok.get("samples"),
+        "tokens": tok.get("tokens"),
+        "truncated": tok.get("truncated"),
+        "skipped": tok["skipped"] + tok["malformed_lines"] if tok else None,
+        "regenerated_turns": gen.get("regenerated", 0) if gen else None,
+        "stored_bytes": ex.get("stored_bytes"),
+        "gate_passed": ex.get("validation", {}).get("passed"),
+        "gate_worst_cosine": min((t["cosine_min"] for t in taps), default=None),
+        "gate_worst_rel_err_mean": max((t["rel_err_mean"] for t in taps), default=None),
+    }
 
 
 if __name__ == "__main__":

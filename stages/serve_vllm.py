@@ -3,7 +3,7 @@ vLLM's own tau and acceptance beside the offline decoder's, lossless against vLL
 Not a DVC stage (it needs the vLLM environment); run it after `dvc repro`.
 
     python -m stages.serve_vllm [--questions 80] [--k 3] [--max-new-tokens 64]
-Writes metrics/serve_vllm.json; server logs in .eaglenest/serve/.
+Writes reports/serve_vllm.json; server logs in .eaglenest/serve/.
 """
 
 import argparse
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, help="draft tokens (default: the first of params.yaml evaluate.k)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--python", type=Path, default=VLLM_PYTHON, help="the vLLM environment's interpreter")
-    ap.add_argument("--out", type=Path, default=paths.metrics("serve_vllm"))
+    ap.add_argument("--out", type=Path, default=paths.report("serve_vllm"))
     a = ap.parse_args(argv)
     if a.k is None:
         ks = _params.load("evaluate")["k"]

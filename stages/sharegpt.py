@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     samples = split_turns(convs, args.turns) if args.turns else convs
     write_jsonl(samples, paths.part(args.part))
     write_json(
-        paths.metrics("sharegpt", args.part),
+        paths.report("sharegpt", args.part),
         {"conversations": len(convs), "samples": len(samples), "skipped_while_scanning": dict(skipped)},
     )
     log.info(

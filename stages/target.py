@@ -1,6 +1,7 @@
 """Stage `target`: materialise the target as a plain HF directory and record its fingerprint.
 
-python -m stages.target            (params: target.path, target.dtype; out: data/target)
+python -m stages.target            (params: target.path, target.dtype; out: data/target and
+                                    reports/target.json: its fingerprint and shape)
 """
 
 import argparse
@@ -18,12 +19,12 @@ from . import _paths as paths
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(paths.TARGET), help="output directory (default: %(default)s)")
-    ap.add_argument("--metrics", default=str(paths.metrics("target")))
+    ap.add_argument("--report", default=str(paths.report("target")))
     args = ap.parse_args(argv)
     p = _params.load("target")
     t = materialize(p["path"], Path(args.out), dtype=p["dtype"], digests=paths.DIGESTS)
     write_json(
-        Path(args.metrics),
+        Path(args.report),
         {
             "fingerprint": t.fingerprint,
             "num_layers": t.num_layers,

@@ -1,5 +1,6 @@
 """Stage `tokenize@<part>`: render with the target's chat template, loss mask over assistant
-tokens (derived from the rendering), truncate at max_seq_len, write Parquet.
+tokens (derived from the rendering), truncate at max_seq_len, write Parquet; counts (samples,
+tokens, truncated, skipped, malformed lines by reason) to reports/tokenize/<part>.json.
 
     python -m stages.tokenize <part>   (params: tokenize.max_seq_len, tokenize.on_error, tokenize.workers)
 """
@@ -46,7 +47,7 @@ def main(argv=None) -> None:
         malformed_reasons=dict(report.skipped),
         max_seq_len=int(p["max_seq_len"]),
     )
-    write_json(paths.metrics("tokenize", args.part), stats)
+    write_json(paths.report("tokenize", args.part), stats)
     log.info(
         "part %s: %d samples, %d tokens (%d loss), %d truncated, %d skipped",
         args.part,

@@ -4,16 +4,19 @@
     torchrun --nproc-per-node 2 -m stages.train              (DDP; gloo on CPU, NCCL on GPU)
 params: train.* (epochs, lr, warmup, ttt_steps, batch_tokens, micro_batches, ...). Checkpoints go
 to .eaglenest/train/ (outside DVC outputs); a rerun with the same config resumes exactly.
-dvclive logs per-epoch loss, accuracy per TTT step and simulated acceptance length.
+dvclive logs per-epoch loss, accuracy per TTT step and simulated acceptance length. Writes
+metrics/train.json (validation loss and simulated tau), reports/train.json (every figure) and
+reports/timing/train.json (tokens/s).
 """
 
 import argparse
 from pathlib import Path
 
-from eaglenest.atomic import write_json
+from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.drafter.train import Trainer
 from eaglenest.drafter.train_config import TrainConfig
 from eaglenest.errors import exit_on_error
+from eaglenest.made_on import made_on
 from eaglenest.target import load_target
 
 from . import _params
@@ -25,7 +28,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stop-after-steps", type=int, help="stop (checkpointed) after N global steps; for tests")
     ap.add_argument("--out", default=str(paths.DRAFTER))
-    ap.add_argument("--metrics", default=str(paths.metrics("train")))
+    ap.add_argument("--metrics", default=str(paths.metrics("train")), help="headline figures (default: %(default)s)")
+    ap.add_argument("--report", default=str(paths.report("train")), help="every figure (default: %(default)s)")
+    ap.add_argument("--timing", default=str(paths.timing("train")), help="the run's clock (default: %(default)s)")
     ap.add_argument("--ckpt-dir", default=".eaglenest/train")
     args = ap.parse_args(argv)
     p = _params.load("train")
@@ -56,22 +61,29 @@ def main(argv=None) -> None:
     # per-step loss curve, for comparing runs (resume, world sizes)
     write_json(Path(args.ckpt_dir) / "history.json", trainer.state["history"])
     if args.stop_after_steps is None:
-        trainer.model.save_pretrained(Path(args.out))
+        with replaced_dir(Path(args.out)) as tmp:
+            trainer.model.save_pretrained(tmp)
         last = result["epochs"][-1]
+        made = made_on(str(trainer.device))
         write_json(
             Path(args.metrics),
+            {"val_loss": last["val"]["loss"], "val_tau": last["val"]["simulated_tau"], **made},
+        )
+        write_json(
+            Path(args.report),
             {
                 "epochs": len(result["epochs"]),
                 "steps": trainer.state["global_step"],
-                "tokens_per_s": result["tokens_per_s"],
                 "world_size": result["world_size"],
                 "train_loss": last["train"]["loss"],
                 "val_loss": last["val"]["loss"],
                 "val_acc_per_step": last["val"]["acc_per_step"],
                 "val_simulated_tau": last["val"]["simulated_tau"],
                 "train_simulated_tau": last["train"]["simulated_tau"],
+                **made,
             },
         )
+        write_json(Path(args.timing), {"tokens_per_s": result["tokens_per_s"], "wall_s": result.get("wall_s")})
 
 
 if __name__ == "__main__":

@@ -182,6 +182,24 @@ def tiny_packed(tiny_target, tmp_path_factory):
     return build_packed(tmp_path_factory.mktemp("packed") / "ws", tiny_target)
 
 
+def pack_workspace(tiny_packed: Path, dst: Path, workers: int = 1) -> Path:
+    """A copy of `tiny_packed` where `python -m stages.pack` runs again (its params: both parts)."""
+    import yaml
+
+    shutil.copytree(tiny_packed, dst, symlinks=True)
+    params = yaml.safe_load((dst / "params.yaml").read_text())
+    params["data"] = {"parts": ["a", "b"]}
+    params["pack"] = {
+        "draft_vocab_size": 48,
+        "val_fraction": 0.15,
+        "shard_mb": 0.05,
+        "device": "cpu",
+        "workers": workers,
+    }
+    (dst / "params.yaml").write_text(yaml.safe_dump(params))
+    return dst
+
+
 def train_params(**over) -> dict:
     t = {
         "epochs": 2,

@@ -105,7 +105,7 @@ def test_sharegpt_stage_turns_option(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     stage.main(["p", "--start", "0", "--count", "6", "--turns", "2"])
     rows, _ = read_jsonl(tmp_path / "data/parts/p.jsonl")
-    metrics = json.loads((tmp_path / "metrics/sharegpt/p.json").read_text())
+    metrics = json.loads((tmp_path / "reports/sharegpt/p.json").read_text())
     assert metrics["conversations"] == 6 and metrics["samples"] == len(rows) > 6
     assert all(c["id"].rsplit("@t", 1)[1] in ("0", "1") for c in rows)
     for c in rows:

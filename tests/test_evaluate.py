@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from eaglenest.decoding import batched_speculative as bs
-from eaglenest.decoding.speculative import TargetRunner, draft_chain, greedy_decode, speculative_decode
+from eaglenest.decoding.speculative import (
+    ChainDrafter,
+    TargetRunner,
+    draft_chain,
+    greedy_decode,
+    speculative_decode,
+)
 from eaglenest.target import load_model
 
 from .conftest import random_samples, run_py, stage_workspace
@@ -50,6 +56,26 @@ def test_batched_drafts_equal_batch1_drafts(tiny_target, tiny_fp32):
     got = bs.draft_chains(drafter, embed, [bs.Row(seq=list(p), out=[], feats=[f[:-1]]) for p, f in rows], 4).tolist()
     for (p, f), g in zip(rows, got):  # the features cover seq[:-1]: drafts continue from the last prompt token
         assert g == draft_chain(drafter, embed, f[:-1], torch.tensor(p), 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chain_drafter_with_its_cache_drafts_what_a_full_recompute_drafts(tiny_target, tiny_fp32, seed):
+    """The cached drafter (step 0 only over the cells verified since its last round, 1..k+1 of them)
+    makes the very decisions of `draft_chain`, which reruns step 0 over every cell each round."""
+    runner, embed = TargetRunner(tiny_fp32, TAPS), tiny_fp32.get_input_embeddings()
+    drafter = tiny_drafter(tiny_target, TAPS, seed)
+    seq = prompts(seed + 7, n=1)[0] + prompts(seed + 8, n=1)[0] + prompts(seed + 9, n=1)[0]
+    _, feats = runner.forward(seq, bs.growing_cache(), 0)
+    chain, n, rng = ChainDrafter(drafter, embed), 3, torch.Generator().manual_seed(seed)
+    rounds = 0
+    while n < len(seq):
+        tokens = torch.tensor(seq[: n + 1])
+        assert chain(feats[:n], tokens, 3) == draft_chain(drafter, embed, feats[:n], tokens, 3), n
+        n += int(torch.randint(1, 5, (1,), generator=rng))  # a verification accepts 0..3 drafts + the bonus
+        rounds += 1
+    assert rounds > 10
+    s = speculative_decode(runner, drafter, embed, seq[:10], 12, {2}, 3)
+    assert s.draft_seconds > 0 and len(s.accepted) > 1
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -123,9 +149,17 @@ def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_
     d.save_pretrained(ws / "data/drafter")
     p = run_py(["-m", "stages.evaluate", "--no-progress"], cwd=ws, check=False)
     assert p.returncode == 2 and "below evaluate.min_tau 1.5" in p.stderr
-    m = json.loads((ws / "metrics/evaluate.json").read_text())
+    m = json.loads((ws / "reports/evaluate.json").read_text())
     assert m["gate_passed"] is False and set(m["tau"]) == {"2", "3"} and m["questions"] == 3
     assert all(1.0 <= t < 1.5 for t in m["tau"].values()) and m["identical_to_greedy"] == {"2": 3, "3": 3}
-    assert m["speed_questions"] == 1 and m["speedup"]["2"] > 0
+    headline = json.loads((ws / "metrics/evaluate.json").read_text())
+    assert headline["tau"] == m["tau"] and headline["lossless"] is True and headline["cpu"] == m["cpu"]
+    # the break-even analysis: a round = its draft steps + a verification, against a target step
+    t = json.loads((ws / "reports/timing/evaluate.json").read_text())
+    assert m["speed_questions"] == 1 and t["target_step_ms"] > 0 and t["best_k"] in (2, 3)
+    for k, f in t["k"].items():
+        assert f["speedup"] > 0 and f["draft_step_ms"] > 0 and f["verify_ms"] > 0, (k, f)
+        assert abs(f["round_ms"] - int(k) * f["draft_step_ms"] - f["verify_ms"]) < 0.05
+        assert abs(f["break_even_tau"] - f["round_ms"] / t["target_step_ms"]) < 0.01
     rows = (ws / "metrics/evaluate_positions.csv").read_text().splitlines()
     assert rows[0] == "k,position,acceptance" and len(rows) == 1 + 2 + 3

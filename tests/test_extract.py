@@ -501,14 +501,14 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(smollm2, tmp_path):
     assert "resuming" in p.stderr
     resumed = HiddenStore(ws / "data" / "hidden" / "p")
     assert verify_store(resumed.path, progress=False) == []
-    metrics = json.loads((ws / "metrics" / "extract" / "p.json").read_text())
+    metrics = json.loads((ws / "reports" / "timing" / "extract" / "p.json").read_text())  # how this run went
     assert metrics["pieces_resumed"] >= 5 and metrics["tokens_extracted_now"] < sum(map(len, seqs))
 
     clean_ws = _workspace(tmp_path / "b", smollm2, seqs)
     run_py(["-m", "stages.extract", "p", "--no-progress"], cwd=clean_ws)
     clean = HiddenStore(clean_ws / "data" / "hidden" / "p")
     # the part's wall clock, itemised: forward loop + fixed cost (imports, fingerprint, load, gate, ...)
-    report = json.loads((clean_ws / "reports" / "extract" / "p.json").read_text())
+    report = json.loads((clean_ws / "reports" / "timing" / "extract" / "p.json").read_text())
     fc = report["fixed_cost"]
     items = ("imports_s", "fingerprint_s", "prepare_s", "load_s", "gate_s", "publish_s")
     assert all(fc[k] > 0 for k in items if k != "load_s") and fc["load_s"] >= 0, fc

@@ -1,7 +1,6 @@
 """Faults: SIGKILL at 20 random points of an extraction, flipped bytes anywhere in a store."""
 
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import yaml
 
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 
-from .conftest import REPO, base_params, random_samples, run_py, stage_workspace, write_tokenized
+from .conftest import REPO, base_params, pack_workspace, random_samples, run_py, stage_workspace, write_tokenized
 from .test_store import flip_byte
 
 pytestmark = pytest.mark.slow
@@ -56,12 +55,7 @@ def test_twenty_random_sigkills_then_resume(smollm2, tmp_path):
 
 
 def test_flipped_byte_anywhere_is_named_and_stops_pack(tiny_packed, tmp_path):
-    ws = tmp_path / "ws"
-    shutil.copytree(tiny_packed, ws, symlinks=True)
-    params = yaml.safe_load((ws / "params.yaml").read_text())
-    params["data"] = {"parts": ["a", "b"]}
-    params["pack"] = {"draft_vocab_size": 48, "val_fraction": 0.15, "shard_mb": 0.05, "device": "cpu", "workers": 2}
-    (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    ws = pack_workspace(tiny_packed, tmp_path / "ws", workers=2)
     store = ws / "data/hidden/a"
     files = sorted(p for p in store.rglob("*") if p.is_file())
     rng = random.Random(5)

@@ -162,8 +162,9 @@ def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):
     (ws / "data/parts").mkdir(parents=True)
     (ws / "data/parts/p.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVS))
     run_py(["-m", "stages.generate", "p", "--no-progress"], cwd=ws)
-    m = json.loads((ws / "metrics/generate/p.json").read_text())
-    assert m["enabled"] and m["assistant_turns"] == 5 and m["regenerated"] == 5 and m["tokens_per_s"] > 0
+    m = json.loads((ws / "reports/generate/p.json").read_text())
+    assert m["enabled"] and m["assistant_turns"] == 5 and m["regenerated"] == 5 and "tokens_per_s" not in m
+    assert json.loads((ws / "reports/timing/generate/p.json").read_text())["tokens_per_s"] > 0
     rows = [json.loads(line) for line in (ws / "data/generated/p.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "b", "c"]
     assert m["cut_at_max_tokens"] + m.get("cut_at_context", 0) <= 5 and m["generated_tokens"] <= 5 * 6

@@ -23,22 +23,27 @@ def declared(stage: dict) -> tuple[set, set]:
 
 def test_what_each_stage_reads_and_writes_is_what_dvc_yaml_declares():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    m = paths.metrics
+    m, r = paths.metrics, paths.report
     writes = {
-        "target": {paths.TARGET, m("target")},
-        "sharegpt": {paths.part(P), m("sharegpt", P)},
-        "generate": {paths.generated(P), m("generate", P)},
-        "tokenize": {paths.tokenized(P), m("tokenize", P)},
-        "extract": {paths.hidden(P), m("extract", P), paths.report("extract", P)},
-        "pack": {paths.PACKED, m("pack")},
-        "train": {paths.DRAFTER, m("train")},
-        "evaluate": {m("evaluate"), m("evaluate_positions", ext="csv"), m("evaluate_questions")},
+        "target": {paths.TARGET, r("target")},
+        "sharegpt": {paths.part(P), r("sharegpt", P)},
+        "generate": {paths.generated(P), r("generate", P)},
+        "tokenize": {paths.tokenized(P), r("tokenize", P)},
+        "extract": {paths.hidden(P), r("extract", P)},
+        "pack": {paths.PACKED, m("data"), r("pack")},
+        "train": {paths.DRAFTER, m("train"), r("train")},
+        "evaluate": {m("evaluate"), m("evaluate_positions", ext="csv"), r("evaluate"), r("evaluate_questions")},
     }
     reads = {
         "generate": {paths.part(P), paths.TARGET},
         "tokenize": {paths.generated(P), paths.TARGET},
         "extract": {paths.tokenized(P), paths.TARGET},
-        "pack": {paths.HIDDEN, paths.TOKENIZED, paths.TARGET},
+        "pack": {
+            paths.HIDDEN,
+            paths.TOKENIZED,
+            paths.TARGET,
+            *(Path("reports", s) for s in ("tokenize", "generate", "extract")),
+        },
         "train": {paths.PACKED, paths.TARGET},
         "evaluate": {paths.DRAFTER, paths.TARGET},
     }
@@ -62,3 +67,18 @@ def test_every_profile_gives_valid_params(tmp_path):
         shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
         apply(profile, tmp_path / "params.yaml")
         _params.validate(yaml.safe_load((tmp_path / "params.yaml").read_text()))
+
+
+def test_metrics_are_git_tracked_and_timings_are_nothing_dvc_tracks():
+    """`dvc metrics show` / `diff` read only git-tracked files (a clone without the DVC cache reads them
+    all), and no output DVC hashes holds a timing (timings differ every run: `dvc.lock` would too)."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        body = stage.get("do", stage)
+        for e in body.get("metrics", []):
+            ((path, opts),) = e.items()
+            assert opts.get("cache") is False and not any(k in path for k in ("${item}", "${key}")), (name, path)
+        for kind in ("outs", "metrics", "plots"):
+            for e in body.get(kind, []):
+                path = next(iter(e)) if isinstance(e, dict) else e
+                assert not path.startswith(str(paths.timing("x").parent)), (name, path)

@@ -45,18 +45,21 @@ def test_repro_to_validated_stores_then_noop(built):
         "evaluate",
     ):
         assert f"Running stage '{stage}'" in stdout
+    packed = json.loads((clone / "reports/pack.json").read_text())
     for part in ("tiny-a", "tiny-b"):
         store = HiddenStore(clone / "data" / "hidden" / part)
-        m = json.loads((clone / "metrics" / "extract" / f"{part}.json").read_text())
-        tm = json.loads((clone / "metrics" / "tokenize" / f"{part}.json").read_text())
-        assert m["committed"] and m["gate_passed"] and m["samples"] == len(store) == tm["samples"]
-        assert m["gate_worst_cosine"] > 0.98 and len(m) <= 14  # the headline; all of it in the report
         report = json.loads((clone / "reports" / "extract" / f"{part}.json").read_text())
-        assert report["validation"]["passed"]
+        tm = json.loads((clone / "reports" / "tokenize" / f"{part}.json").read_text())
+        assert report["committed"] and report["validation"]["passed"] and report["samples"] == len(store)
         assert set(report["validation"]["taps"]) == {"aux_2", "aux_15", "aux_27", "final"}
+        assert "wall_s" not in report and "seconds_by_step" not in report["validation"]  # timings: elsewhere
+        timing = json.loads((clone / "reports" / "timing" / "extract" / f"{part}.json").read_text())
+        assert timing["wall_s"] > timing["forward_s"] > 0 and timing["fixed_cost"]["total_s"] > 0
+        assert packed["parts"][part]["samples"] == len(store) == tm["samples"]
+        assert packed["parts"][part]["gate_passed"] and packed["parts"][part]["gate_worst_cosine"] > 0.98
         assert store.attrs["taps"] == [2, 15, 27] and store.attrs["hidden_size"] == 576
         assert (
-            store.attrs["target_fingerprint"] == json.loads((clone / "metrics/target.json").read_text())["fingerprint"]
+            store.attrs["target_fingerprint"] == json.loads((clone / "reports/target.json").read_text())["fingerprint"]
         )
         assert verify_store(store.path, progress=False) == []
     assert (clone / "data/hidden/tiny-a/aux/c.0.0.0").stat().st_nlink == 2  # hardlinked into the DVC cache
@@ -65,10 +68,16 @@ def test_repro_to_validated_stores_then_noop(built):
     assert sh("dvc status", clone).stdout.strip().endswith("Data and pipelines are up to date.")
     v = sh("eaglenest verify -q data/hidden/tiny-a data/hidden/tiny-b", clone)
     assert v.stdout.count("OK") == 2
-    ev = json.loads((clone / "metrics/evaluate.json").read_text())
+    ev = json.loads((clone / "reports/evaluate.json").read_text())
     assert ev["questions"] == 2 and ev["mismatches"] == {"2": 0} and ev["tau"]["2"] >= 1.0 and ev["gate_passed"]
-    gen = json.loads((clone / "metrics/generate/tiny-a.json").read_text())
+    gen = json.loads((clone / "reports/generate/tiny-a.json").read_text())
     assert gen == {"enabled": False, "conversations": 4}
+    # the headline figures: only git-tracked files, few columns, every one loaded (no "failed to load")
+    show = sh("dvc metrics show", clone)
+    assert "failed to load" not in show.stdout + show.stderr
+    assert max(map(len, show.stdout.splitlines())) <= 120, show.stdout
+    assert set(json.loads(sh("dvc metrics show --json", clone).stdout)[""]["data"]) == {
+        "metrics/data.json", "metrics/train.json", "metrics/evaluate.json"}  # fmt: skip
     assert json.loads((clone / "data/drafter/config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
 
 
@@ -82,7 +91,22 @@ def test_metrics_diff_shows_a_changed_training_param(clone):
     assert "train.lr" in sh("dvc params diff", clone).stdout
     diff = json.loads(sh("dvc metrics diff --json", clone).stdout)
     changed = diff["metrics/train.json"]
-    assert changed["train_loss"]["old"] == before["train_loss"] and changed["train_loss"]["diff"] != 0
+    assert changed["val_loss"]["old"] == before["val_loss"] and changed["val_loss"]["diff"] != 0
+    assert "cpu" not in changed and "torch" not in changed  # the same machine made both
+
+
+def test_a_fresh_clone_without_the_cache_diffs_every_metric(built, tmp_path):
+    """`dvc metrics diff HEAD~1` on a clone with an empty DVC cache: every metric loads, no warning."""
+    repo = built[0]
+    sh(f"git clone -q {repo} {tmp_path / 'c'}", tmp_path)
+    clone = tmp_path / "c"
+    with open(clone / "params.yaml", "a") as f:
+        f.write("\n")  # a second commit, so that HEAD~1 exists
+    sh("git -c user.email=t@t -c user.name=t commit -qam two", clone)
+    p = sh("dvc metrics diff HEAD~1 --all", clone)
+    assert "failed to load" not in (p.stdout + p.stderr).lower() and p.stderr.strip() == "", p.stderr
+    for f in ("metrics/data.json", "metrics/train.json", "metrics/evaluate.json"):
+        assert f in p.stdout, p.stdout
 
 
 def test_bad_user_part_fails_naming_the_line_and_keeps_committed_outputs(clone):

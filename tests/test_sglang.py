@@ -373,8 +373,9 @@ def test_server_killed_mid_extraction_then_dvc_repro_resumes(tmp_path):
     assert committed >= 1
 
     sh("dvc repro extract@tiny-a", repo)
-    m = json.loads((repo / "metrics/extract/tiny-a.json").read_text())
-    assert m["committed"] and m["pieces_resumed"] >= 1 and m["pieces_resumed"] < m["pieces"]
+    m = json.loads((repo / "reports/extract/tiny-a.json").read_text())
+    run = json.loads((repo / "reports/timing/extract/tiny-a.json").read_text())
+    assert m["committed"] and run["pieces_resumed"] >= 1 and run["pieces_resumed"] < m["pieces"]
     assert HiddenStore(repo / "data/hidden/tiny-a").attrs["extractor"]["backend"] == "sglang"
     assert not subprocess.run(
         ["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True, text=True

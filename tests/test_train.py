@@ -108,7 +108,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tiny_packed, tmp_path):
     b = Eagle3Drafter.from_pretrained(half / "data/drafter")
     for k, v in a.state_dict().items():
         assert torch.allclose(v.float(), b.state_dict()[k].float(), atol=1e-6), k
-    m = json.loads((full / "metrics/train.json").read_text())
+    m = json.loads((full / "reports/train.json").read_text())
     assert m["epochs"] == 2 and 1.0 <= m["val_simulated_tau"] <= 4.0
 
 
@@ -159,7 +159,7 @@ def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):
         cwd=two,
         env_extra={"OMP_NUM_THREADS": "1"},
     )
-    m = json.loads((two / "metrics/train.json").read_text())
+    m = json.loads((two / "reports/train.json").read_text())
     assert m["world_size"] == 2, p.stderr[-2000:]
     np.testing.assert_allclose(history(two), history(one), rtol=2e-4)
 

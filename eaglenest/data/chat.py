@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eaglenest.atomic import replaced_file
 from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,9 @@ def token_table(seqs, ids=None, loss_masks=None) -> pa.Table:
 
 def write_tokenized(table: pa.Table, path: Path) -> Path:
     """Write a tokenized part all or nothing (temp file, rename): a half-written Parquet is never read."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
-    return path
+    with replaced_file(path) as tmp:
+        pq.write_table(table, tmp)
+    return Path(path)
 
 
 def require_template(tokenizer, name: str) -> None:

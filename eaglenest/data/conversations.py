@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from eaglenest.atomic import replaced_file
 from eaglenest.errors import EaglenestError
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,39 @@ def normalize_messages(raw: dict, where: str) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or rk not in m or ck not in m:
             raise ValueError(f"message {i} lacks `{rk}`/`{ck}`")
-        role = ROLE_ALIASES.get(str(m[rk]).lower())
+        if not isinstance(m[rk], str):
+            raise ValueError(f"message {i} has a `{rk}` that is not a string")
+        role = ROLE_ALIASES.get(m[rk].lower())
         if role is None:
-            raise ValueError(f"message {i} has unknown role {m[rk]!r} (known: {', '.join(sorted(ROLE_ALIASES))})")
+            raise ValueError(f"message {i} has unknown role {m[rk][:40]!r} (known: {', '.join(sorted(ROLE_ALIASES))})")
         if not isinstance(m[ck], str):
             raise ValueError(f"message {i} content is not a string")
+        if not m[ck].isascii():
+            try:
+                m[ck].encode("utf-8")
+            except UnicodeEncodeError as e:  # "\ud800" parses, but is no character: nothing could write it
+                raise ValueError(f"message {i} content is not valid Unicode ({e.reason} at {e.start})") from None
         out.append({"role": role, "content": m[ck]})
     return out
+
+
+def parse_line(data: bytes) -> dict:
+    """One JSONL line's object; ValueError, naming the reason, for any line JSON cannot read as one."""
+    try:
+        line = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte {e.start}: {data[e.start : e.start + 1]!r})") from None
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError("not JSON this parser can read (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ValueError(f"not JSON this parser can read ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("line is not a JSON object")
+    return raw
 
 
 def check_exchange(messages: list[dict]) -> None:
@@ -110,19 +137,16 @@ def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadRepo
                 continue
             where = f"{path}:{lineno}"
             try:
-                try:
-                    line = data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"not UTF-8 (byte {e.start}: {data[e.start : e.start + 1]!r})") from None
-                raw = json.loads(line)
-                if not isinstance(raw, dict):
-                    raise ValueError("line is not a JSON object")
-                cid = str(raw.get("id", f"line{lineno}"))
+                raw = parse_line(data)
+                cid = raw.get("id", f"line{lineno}")
+                if isinstance(cid, bool) or not isinstance(cid, (str, int)):
+                    raise ValueError("`id` must be a string or an integer")
+                cid = str(cid)
                 if cid in seen:
                     raise ValueError(f"duplicate id {cid!r} (first on line {seen[cid]})")
                 msgs = normalize_messages(raw, where)
                 check_exchange(msgs)
-            except (json.JSONDecodeError, ValueError) as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: a check walking a deep value
                 if on_error == "fail":
                     raise EaglenestError(f"{where}: {e}") from None
                 report.skip(str(e).split(" (")[0], where)
@@ -136,13 +160,9 @@ def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadRepo
 
 
 def write_jsonl(convs, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replaced_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for c in convs:
             f.write(json.dumps({"id": c["id"], "messages": c["messages"]}, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def iter_salvaged_json_array(path: Path) -> Iterator[dict]:

@@ -15,7 +15,6 @@ split is by key too, so adding a part never moves an existing sample between tra
 
 import logging
 import multiprocessing as mp
-import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eaglenest.atomic import write_json
+from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.data.vocab import build_vocab, coverage
 from eaglenest.errors import EaglenestError
 from eaglenest.store import states as state_format
@@ -118,75 +117,69 @@ def pack(
     by_part = {s.part: s for s in stores}
     lengths = [by_part[part].index[i]["length"] for _, part, i, _ in samples]
     selected, d2t, t2d = build_vocab(counts, draft_vocab_size)
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(
-        {"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
-        str(tmp / "vocab.safetensors"),
-    )
+    with replaced_dir(out_dir) as tmp:  # a failure leaves no data/packed.tmp behind
+        save_file(
+            {"selected": torch.from_numpy(selected), "d2t": torch.from_numpy(d2t), "t2d": torch.from_numpy(t2d)},
+            str(tmp / "vocab.safetensors"),
+        )
 
-    A, H, states = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"], stores[0].states
-    row_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, A, H).values())
-    plan = plan_shards(samples, lengths, val_fraction, max(1, int(shard_mb * 2**20 / row_bytes)))
-    jobs = [
-        (split, n, [(key, part, i, sid, *masks[part][sid]) for key, part, i, sid in shard])
-        for split, shards in plan.items()
-        for n, shard in enumerate(shards)
-    ]
-    for split in plan:
-        (tmp / split).mkdir()
-    setup = ({s.part: str(s.path) for s in stores}, lm_head, t2d, device, states, tmp)
-    results = {}
-    with tqdm(total=len(samples), desc="pack", unit="sample", disable=not progress) as bar:
-        if workers <= 1:
-            _worker_init(*setup)
-            done = map(_write_shard, jobs)
-        else:
-            pool = ProcessPoolExecutor(
-                workers, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=setup
-            )
-            done = pool.map(_write_shard, jobs)
-        try:
-            for (split, n, _), r in zip(jobs, done):
-                results[split, n] = r
-                bar.update(r["samples"])
-        finally:
-            if workers > 1:
-                pool.shutdown(cancel_futures=True)
-    shards = {split: [results[split, n]["shard"] for n in range(len(plan[split]))] for split in plan}
-    stats = {split: [sum(len(s) for s in plan[split]), sum(r["tokens"] for r in shards[split])] for split in plan}
-    if stats["train"][0] == 0:
-        raise EaglenestError("pack: no training samples (too few samples or val_fraction too high)")
-    masked = sum(r["masked"] for r in results.values())
-    in_vocab_hits = sum(r["in_vocab_hits"] for r in results.values())
-    manifest = {
-        "target_fingerprint": stores[0].attrs["target_fingerprint"],
-        "taps": stores[0].attrs["taps"],
-        "hidden_size": H,
-        "states": states,
-        "vocab_size": int(len(t2d)),
-        "draft_vocab_size": int(draft_vocab_size),
-        "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores},
-        "shards": shards,
-        "val_fraction": val_fraction,
-    }
-    write_json(tmp / "manifest.json", manifest)
-    index_rows = [
-        {
-            "key": key,
-            "part": part,
-            "id": sid,
-            "split": "val" if is_val(key, val_fraction) else "train",
-            "digest": by_part[part].index[i]["digest"],
+        A, H, states = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"], stores[0].states
+        row_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, A, H).values())
+        plan = plan_shards(samples, lengths, val_fraction, max(1, int(shard_mb * 2**20 / row_bytes)))
+        jobs = [
+            (split, n, [(key, part, i, sid, *masks[part][sid]) for key, part, i, sid in shard])
+            for split, shards in plan.items()
+            for n, shard in enumerate(shards)
+        ]
+        for split in plan:
+            (tmp / split).mkdir()
+        setup = ({s.part: str(s.path) for s in stores}, lm_head, t2d, device, states, tmp)
+        results = {}
+        with tqdm(total=len(samples), desc="pack", unit="sample", disable=not progress) as bar:
+            if workers <= 1:
+                _worker_init(*setup)
+                done = map(_write_shard, jobs)
+            else:
+                pool = ProcessPoolExecutor(
+                    workers, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=setup
+                )
+                done = pool.map(_write_shard, jobs)
+            try:
+                for (split, n, _), r in zip(jobs, done):
+                    results[split, n] = r
+                    bar.update(r["samples"])
+            finally:
+                if workers > 1:
+                    pool.shutdown(cancel_futures=True)
+        shards = {split: [results[split, n]["shard"] for n in range(len(plan[split]))] for split in plan}
+        stats = {split: [sum(len(s) for s in plan[split]), sum(r["tokens"] for r in shards[split])] for split in plan}
+        if stats["train"][0] == 0:
+            raise EaglenestError("pack: no training samples (too few samples or val_fraction too high)")
+        masked = sum(r["masked"] for r in results.values())
+        in_vocab_hits = sum(r["in_vocab_hits"] for r in results.values())
+        manifest = {
+            "target_fingerprint": stores[0].attrs["target_fingerprint"],
+            "taps": stores[0].attrs["taps"],
+            "hidden_size": H,
+            "states": states,
+            "vocab_size": int(len(t2d)),
+            "draft_vocab_size": int(draft_vocab_size),
+            "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores},
+            "shards": shards,
+            "val_fraction": val_fraction,
         }
-        for key, part, i, sid in samples
-    ]
-    pq.write_table(pa.Table.from_pylist(index_rows), tmp / "index.parquet")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+        write_json(tmp / "manifest.json", manifest)
+        index_rows = [
+            {
+                "key": key,
+                "part": part,
+                "id": sid,
+                "split": "val" if is_val(key, val_fraction) else "train",
+                "digest": by_part[part].index[i]["digest"],
+            }
+            for key, part, i, sid in samples
+        ]
+        pq.write_table(pa.Table.from_pylist(index_rows), tmp / "index.parquet")
     return {
         "samples": len(samples),
         "tokens": int(sum(v[1] for v in stats.values())),

@@ -18,6 +18,8 @@ class Decoded:
     seconds: float
     target_forwards: int = 0
     accepted: list = field(default_factory=list)  # accepted drafts per verification (0..k)
+    draft_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the prompt's forward, which yields the first token
 
 
 class TargetRunner:
@@ -42,12 +44,13 @@ def greedy_decode(runner: TargetRunner, prompt: list[int], max_new: int, eos: se
     t0 = time.perf_counter()
     cache = DynamicCache()
     nxt, _ = runner.forward(prompt, cache, 0, taps=False)
+    prefill = time.perf_counter() - t0
     out, n = [nxt[-1]], len(prompt)
     while len(out) < max_new and out[-1] not in eos:
         nxt, _ = runner.forward([out[-1]], cache, n, taps=False)
         n += 1
         out.append(nxt[-1])
-    return Decoded(out, time.perf_counter() - t0, target_forwards=len(out))
+    return Decoded(out, time.perf_counter() - t0, target_forwards=len(out), prefill_seconds=prefill)
 
 
 @torch.inference_mode()
@@ -76,6 +79,39 @@ def draft_chain(drafter: Eagle3Drafter, embed, feats: torch.Tensor, tokens: torc
     return drafts
 
 
+class ChainDrafter:
+    """`draft_chain` for one decode, round after round, keeping the drafter's step-0 keys and values:
+    a round runs step 0 only over the cells verified since the last one (an engine's draft KV cache
+    does the same), so a round costs k drafter steps however long the sequence. The same drafts as
+    `draft_chain` up to float summation order (tested)."""
+
+    def __init__(self, drafter: Eagle3Drafter, embed):
+        self.drafter, self.embed = drafter, embed
+        self.cache, self.done = StepCache(), 0  # cells 0..done-1 have step-0 keys in the cache
+
+    @torch.inference_mode()
+    def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
+        d, n, dev = self.drafter, feats.shape[0], feats.device
+        dtype = d.fc.weight.dtype
+        self.cache.new_round()
+        h = d.step(
+            d.project(feats[None, self.done :].to(dtype)),
+            self.embed(tokens[None, self.done + 1 :]).to(dtype),
+            torch.arange(self.done, n, device=dev),
+            self.cache,
+            q_offset=self.done,
+        )[:, -1:]
+        self.done = n
+        drafts = []
+        for j in range(k):
+            top = int(d.logits(h)[0, -1].argmax())
+            drafts.append(top + int(d.d2t[top]))
+            if j < k - 1:
+                emb = self.embed(torch.tensor([[drafts[-1]]], device=dev)).to(dtype)
+                h = d.step(h, emb, torch.tensor([n + j], device=dev), self.cache, q_offset=n - 1)
+        return drafts
+
+
 def speculative_decode(
     runner: TargetRunner,
     drafter: Eagle3Drafter,
@@ -84,16 +120,24 @@ def speculative_decode(
     max_new: int,
     eos: set,
     k: int,
-    draft_fn=draft_chain,
+    draft_fn=None,
 ) -> Decoded:
+    """draft_fn(drafter, embed, feats, tokens, k) -> k drafts (tests pass oracles); by default a
+    `ChainDrafter` of this decode. `Decoded.draft_seconds` is the time spent drafting."""
+    if draft_fn is None:
+        chain = ChainDrafter(drafter, embed)
+        draft_fn = lambda _d, _e, feats, tokens, k: chain(feats, tokens, k)
     t0 = time.perf_counter()
     cache = DynamicCache()
     nxt, feats = runner.forward(prompt, cache, 0)
+    prefill = time.perf_counter() - t0
     out = [nxt[-1]]
     seq = list(prompt) + out  # features are known for seq[:-1]
-    forwards, accepted = 1, []
+    forwards, accepted, drafting = 1, [], 0.0
     while len(out) < max_new and out[-1] not in eos:
+        t_draft = time.perf_counter()
         drafts = draft_fn(drafter, embed, feats, torch.tensor(seq, device=feats.device), k)
+        drafting += time.perf_counter() - t_draft
         n = len(seq) - 1  # KV cache holds positions 0..n-1
         greedy, new_feats = runner.forward([seq[-1]] + drafts, cache, n)
         forwards += 1
@@ -109,7 +153,14 @@ def speculative_decode(
         seq += new
         out += new
         out = cut_at_eos(out, eos)
-    return Decoded(out[:max_new], time.perf_counter() - t0, target_forwards=forwards, accepted=accepted)
+    return Decoded(
+        out[:max_new],
+        time.perf_counter() - t0,
+        target_forwards=forwards,
+        accepted=accepted,
+        draft_seconds=drafting,
+        prefill_seconds=prefill,
+    )
 
 
 def cut_at_eos(out: list[int], eos: set) -> list[int]:

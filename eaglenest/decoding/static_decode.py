@@ -2,7 +2,7 @@
 
 Why: a transformers forward of a 30-layer model launches ~600 kernels, and on the lent GPU machines a
 launch costs ~100 us of host time, so a decode step took 64 ms at 1 row and 100-140 ms at 256-1,024
-rows whatever the GPU work (bench.gpu_generate). One graph replay per step leaves only the KV-cache reads.
+rows whatever the GPU work. One graph replay per step leaves only the KV-cache reads.
 
 The step is the transformers Llama layer written out with the model's own modules (projections,
 norms, MLP, rotary embedding): q/k rotated at each row's position, k/v written at one cache column

@@ -18,7 +18,7 @@ def _compiled():
     if _flex is None:
         # dynamic: the keys grow by T at every TTT step, so K steps x each batch length are that
         # many shapes; compiled per shape, the 9th hit torch's recompile limit and every later
-        # call ran the eager kernel (6k instead of 54k tok/s, bench/gpu_train_shapes.py)
+        # call ran the eager kernel (6k instead of 54k tok/s, measured on the H200)
         _flex = torch.compile(flex_attention, dynamic=True)
     return _flex
 

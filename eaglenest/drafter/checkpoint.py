@@ -1,28 +1,27 @@
 """A training checkpoint: model, optimizer, schedule, loop state and every RNG, written atomically
 (temp file + rename) and read back onto the training device."""
 
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from eaglenest.atomic import replaced_file
+
 
 def save(path: Path, model, opt, sched, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "opt": opt.state_dict(),
-            "sched": sched.state_dict(),
-            "state": state,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+    with replaced_file(path) as tmp:
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "state": state,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            },
+            tmp,
+        )
 
 
 def load(path: Path, device, model, opt, sched) -> dict:

@@ -20,12 +20,28 @@ from eaglenest.errors import EaglenestError
 
 
 class StepCache:
-    """Keys/values of step 0 for every cell, and of steps 1..k for the queried cells."""
+    """Keys/values of step 0 for every cell, and of steps 1..k for the queried cells. The first step
+    after construction or `new_round` adds cells to step 0; every later one adds a diagonal."""
 
     def __init__(self):
         self.k0 = self.v0 = None
         self.diag_k: list[torch.Tensor] = []
         self.diag_v: list[torch.Tensor] = []
+        self._extend = True
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._extend:
+            self.k0 = k if self.k0 is None else torch.cat([self.k0, k], 2)
+            self.v0 = v if self.v0 is None else torch.cat([self.v0, v], 2)
+            self._extend = False
+        else:
+            self.diag_k.append(k)
+            self.diag_v.append(v)
+
+    def new_round(self) -> None:
+        """Drafting: drop the last round's steps 1..k; the next step runs step 0 over the cells
+        verified since (their keys join step 0's, as an engine's draft KV cache keeps them)."""
+        self.diag_k, self.diag_v, self._extend = [], [], True
 
 
 class Eagle3Attention(nn.Module):
@@ -56,11 +72,7 @@ class Eagle3Attention(nn.Module):
         """Appends k, v to the cache; q [B, nh, Tq, d] -> [B, nh, Tq, d]."""
         Tq = q.shape[2]
         rep = self.nh // self.kvh
-        if cache.k0 is None:
-            cache.k0, cache.v0 = k, v
-        else:
-            cache.diag_k.append(k)
-            cache.diag_v.append(v)
+        cache.add(k, v)
         if self.impl == "flex" and isinstance(q_offset, int) and q_offset == 0 and Tq == cache.k0.shape[2]:
             from eaglenest.drafter.attention import ttt_attention
 

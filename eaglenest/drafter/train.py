@@ -317,5 +317,6 @@ class Trainer:
             "epochs": self.state["epochs"],
             "history": self.state["history"],
             "tokens_per_s": round(tokens / elapsed, 1) if tokens else None,
+            "wall_s": round(elapsed, 2),
             "world_size": self.world,
         }

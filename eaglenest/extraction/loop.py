@@ -136,7 +136,7 @@ def _extract_part(
     devices = devices or [described.get("device", "cpu")]
     world = len(devices)
     # half the cores, at most 8, over the devices: a GPU host's 16 cores write ~1.7 GB/s of zstd-1
-    # shards with 8 (bench.host_path); the other half run the loops, the fill copies and the backends
+    # shards with 8; the other half run the loops, the fill copies and the backends
     writers = max(1, (writers or min(8, (os.cpu_count() or 2) // 2)) // world)
     mine = share(open_windows, 0, world)
     t_compute = time.time()

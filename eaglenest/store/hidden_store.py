@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from eaglenest.atomic import write_json
+from eaglenest.atomic import replaced_file, write_json
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import content_digest
 from eaglenest.store import states as state_format
@@ -140,9 +140,8 @@ def sample_digest(arrays: dict[str, np.ndarray]) -> str:
 def write_index(path: Path, rows: list[dict]) -> None:
     """rows in the order the index lists them (the part's input order); `start` says where each lies."""
     table = pa.table({k: [r[k] for r in rows] for k in INDEX_SCHEMA.names}, schema=INDEX_SCHEMA)
-    tmp = Path(path) / (INDEX + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(Path(path) / INDEX)
+    with replaced_file(Path(path) / INDEX) as tmp:
+        pq.write_table(table, tmp)
 
 
 def states_of(attrs: dict) -> str:
@@ -209,22 +208,38 @@ class HiddenStore:
     def n_tokens(self) -> int:
         return sum(r["length"] for r in self.index)
 
+    def shard_file(self, name: str, piece: int) -> Path:
+        """The file of array `name` that holds `piece` (the key encoding is the store's own zarr.json's)."""
+        a = self.arrays[name]
+        return self.path / name / a.metadata.encode_chunk_key((piece,) + (0,) * (a.ndim - 1))
+
+    def missing_files(self, piece: int) -> list[Path]:
+        """Shard files of `piece` not on disk. zarr reads a missing shard as its fill value, so a
+        deleted file shows only as a digest mismatch; this names it. (zarr writes no file for a shard
+        that is all fill value, which no piece of real samples is.)"""
+        return [f for f in (self.shard_file(n, piece) for n in self.arrays) if not f.is_file()]
+
+    def samples_of_piece(self, piece: int) -> list[str]:
+        return [r["id"] for r in self.index if r["piece"] == piece]
+
     def read_stored(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(input_ids int32 [n], the state arrays of sample i as stored: `states.arrays`); digest-verified."""
         r = self.index[i]
         sl = slice(r["start"], r["start"] + r["length"])
+        where = f"store {self.part} ({self.path}): sample {r['id']!r} (index {i})"
         try:
             stored = {n: a[sl] for n, a in self.arrays.items()}
         except Exception as e:  # crc32c, codec or shard-index checksum failure
-            raise EaglenestError(
-                f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
-                f"is unreadable, the shard is corrupt: {type(e).__name__}: {e}"
-            ) from None
+            raise EaglenestError(f"{where} is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
         if sample_digest(stored) != r["digest"]:
-            raise EaglenestError(
-                f"store {self.part} ({self.path}): sample {r['id']!r} (index {i}) "
-                f"digest mismatch: stored bytes are corrupt"
-            )
+            missing = self.missing_files(r["piece"])
+            if missing:
+                held = self.samples_of_piece(r["piece"])
+                raise EaglenestError(
+                    f"{where}: {missing_message(missing, held)}; restore the store "
+                    f"(`dvc checkout {self.path}`) or re-extract it"
+                )
+            raise EaglenestError(f"{where} digest mismatch: stored bytes are corrupt")
         return stored.pop("input_ids"), stored
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -238,7 +253,8 @@ class HiddenStore:
 
 
 def verify_store(path: Path, progress: bool = True) -> list[str]:
-    """Re-hash every sample; return one message per bad sample (empty list: all match)."""
+    """Re-hash every sample; return one message per bad sample, or per piece whose shard files are
+    missing, naming the files and the samples they held (empty list: all match)."""
     from tqdm import tqdm
 
     try:
@@ -247,10 +263,24 @@ def verify_store(path: Path, progress: bool = True) -> list[str]:
         return [str(e)]
     except Exception as e:  # unreadable metadata or index
         return [f"{path}: unreadable store: {type(e).__name__}: {e}"]
-    bad = []
+    bad, pieces_missing = [], set()
     for i in tqdm(range(len(store)), desc=f"verify {store.part}", unit="sample", disable=not progress):
+        piece = store.index[i]["piece"]
+        if piece in pieces_missing:
+            continue  # already named with every sample it holds
         try:
             store.read_stored(i)
         except EaglenestError as e:
-            bad.append(str(e))
+            missing = store.missing_files(piece)
+            if missing:
+                pieces_missing.add(piece)
+                bad.append(f"store {store.part} ({path}): {missing_message(missing, store.samples_of_piece(piece))}")
+            else:
+                bad.append(str(e))
     return bad
+
+
+def missing_message(files: list[Path], samples: list[str], show: int = 8) -> str:
+    names = ", ".join(repr(s) for s in samples[:show])
+    names += f", ... ({len(samples)} in all)" if len(samples) > show else ""
+    return f"shard file{'s' if len(files) > 1 else ''} {', '.join(map(str, files))} missing: it held samples {names}"

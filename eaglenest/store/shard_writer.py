@@ -83,7 +83,7 @@ def _staging(size: int) -> mmap.mmap:
 def _write_direct(tmp: Path, parts: list, size: int) -> bool:
     """The file's bytes gathered into an aligned buffer and written with O_DIRECT: no copy into the
     page cache, no dirty pages for the kernel to write back under memory pressure. A single stream
-    on the GPU host's disk: 1.7 GB/s vs 1.0 GB/s buffered + fsync (bench.host_path). False when the
+    on the GPU host's disk: 1.7 GB/s vs 1.0 GB/s buffered + fsync (measured on the H200 host). False when the
     filesystem refuses O_DIRECT (tmpfs, some network filesystems): the caller writes buffered."""
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
