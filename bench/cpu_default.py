@@ -5,10 +5,11 @@ clean: dvc.lock, metrics/ and reports/ byte for byte) and the figures it made.
     python -m bench.cpu_default [--workdir /tmp/cpu-default] [--out bench/results/cpu_default.json]
 
 The clone's DVC cache is empty, so every stage runs. Writes the JSON bench/RESULTS.md cites ("CPU
-default"); the clone stays in --workdir for `dvc metrics diff` and a look at its logs."""
+default"); the clone stays in --workdir for `dvc metrics diff`, its output beside it (<workdir>-make-repro.log)."""
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,7 +26,10 @@ def timed_make_repro(work: Path, log: Path) -> tuple[float, dict[str, float]]:
     t0 = time.time()
     marks = [("venv", t0)]
     with open(log, "w") as f:
-        p = subprocess.Popen(["make", "repro"], cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it happens: the stage marks are its times
+        p = subprocess.Popen(
+            ["make", "repro"], cwd=work, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         for line in p.stdout:
             f.write(line)
             m = re.search(r"Running stage '([^']+)'", line)
@@ -47,7 +51,8 @@ def main() -> None:
     shutil.rmtree(a.workdir, ignore_errors=True)
     subprocess.run(["git", "clone", "-q", str(REPO), str(a.workdir)], check=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.workdir, capture_output=True, text=True).stdout.strip()
-    wall, times = timed_make_repro(a.workdir, a.workdir / "make-repro.log")
+    log = a.workdir.with_name(a.workdir.name + "-make-repro.log")  # outside the clone: git status stays its own
+    wall, times = timed_make_repro(a.workdir, log)
     changed = subprocess.run(["git", "status", "--porcelain"], cwd=a.workdir, capture_output=True, text=True).stdout
     read = lambda rel: json.loads((a.workdir / rel).read_text())
     ev, timing = read("reports/evaluate.json"), read("reports/timing/evaluate.json")
