@@ -4,7 +4,9 @@ clean: dvc.lock, metrics/ and reports/ byte for byte) and the figures it made.
 
     python -m bench.cpu_default [--workdir /tmp/cpu-default] [--out bench/results/cpu_default.json]
 
-The clone's DVC cache is empty, so every stage runs. Writes the JSON bench/RESULTS.md cites ("CPU
+The clone's DVC cache is empty, so every stage runs whose outputs are not in git: when the drafter comes
+out bit for bit as committed, DVC skips `evaluate` (its outputs are committed); it is then forced, for
+its speed figures, and must reproduce its committed outputs too. Writes the JSON bench/RESULTS.md cites ("CPU
 default"); the clone stays in --workdir for `dvc metrics diff`, its output beside it (<workdir>-make-repro.log)."""
 
 import argparse
@@ -53,6 +55,16 @@ def main() -> None:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.workdir, capture_output=True, text=True).stdout.strip()
     log = a.workdir.with_name(a.workdir.name + "-make-repro.log")  # outside the clone: git status stays its own
     wall, times = timed_make_repro(a.workdir, log)
+    if not (a.workdir / "reports/timing/evaluate.json").exists():
+        # evaluate's outputs are in git: with the drafter reproduced bit for bit, DVC skips the stage
+        # (itself proof of reproduction). Run it anyway for its speed figures; its outputs must match too.
+        t = time.time()
+        dvc = str(a.workdir / ".venv" / "bin" / "dvc")
+        env = {**os.environ, "PATH": f"{a.workdir / '.venv' / 'bin'}:{os.environ['PATH']}"}
+        with open(log, "a") as f:
+            subprocess.run([dvc, "repro", "--force", "--single-item", "evaluate"], cwd=a.workdir, env=env,
+                           stdout=f, stderr=subprocess.STDOUT, check=True)  # fmt: skip
+        times["evaluate (forced)"] = round(time.time() - t, 1)
     changed = subprocess.run(["git", "status", "--porcelain"], cwd=a.workdir, capture_output=True, text=True).stdout
     read = lambda rel: json.loads((a.workdir / rel).read_text())
     ev, timing = read("reports/evaluate.json"), read("reports/timing/evaluate.json")
