@@ -20,6 +20,8 @@ RUN_KEYS = {
     "writer_utilisation",
     "bound_by",
     "fixed_cost",
+    "forward_path",  # the own Llama-family layers (CUDA) or transformers' forward: by the device
+    "reference",  # whole or streamed, and its memory: chosen by the machine's free memory
 }
 
 

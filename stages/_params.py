@@ -101,6 +101,7 @@ SCHEMA = {
         "writers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "devices": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
         "work_dir": _str,
+        "disk_reserve_gb": _num(0),
         "hf": {
             "compile": _either(_one_of("auto", "kernels", "layers"), _bool, what="auto, kernels, layers, true or false")
         },
@@ -139,6 +140,9 @@ SCHEMA = {
         "min_cosine_token": _num(-1, 1),
         "max_rel_err_mean": _num(0),
         "max_rel_err_token": _num(0),
+        "token_quantile": _either(_one_of("auto"), _num(0.5, 1), what="auto or a number in [0.5, 1]"),
+        "reference": _one_of("auto", "whole", "streamed"),
+        "reference_memory_gb": _either(_one_of("auto"), _num(0, lo_open=True), what="auto or a number of GB > 0"),
     },
     "pack": {
         "draft_vocab_size": _int(2),

@@ -9,6 +9,8 @@
             retries, capture_dir; extract.vllm.* for the vllm backend: python, server_args, concurrency),
             store.* (codec, level, chunk_mb, shard_mb, states: bf16 | fp8), validate.* (gate),
             tokenize.max_seq_len
+Before anything loads it estimates the part's store bytes and refuses to start when the disk cannot
+hold them plus extract.disk_reserve_gb (`eaglenest plan` shows the same figures for every part).
 Writes reports/extract/<part>.json (samples, tokens, bytes, padding, the gate's verdict with every
 tap's figures, thresholds and margins, what it was made on) and reports/timing/extract/<part>.json
 (the run: tokens/s, the wall clock split into the forward loop and each fixed cost, the host path's
@@ -17,21 +19,26 @@ failed validation gate writes both and exits non-zero without touching data/hidd
 """
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
+from eaglenest.disk_plan import Shape, check_space, ratio_of, store_bytes, written
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.extraction.backends import make_backend
 from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
-from eaglenest.extraction.plan import batch_tokens_for
+from eaglenest.extraction.plan import batch_tokens_for, token_count
 from eaglenest.extraction.wall_clock import add_fixed_cost
 from eaglenest.made_on import made_on
+from eaglenest.sizes import size
 from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target, pick_device
 
 from . import _figures, _params
 from . import _paths as paths
+
+log = logging.getLogger(__name__)
 
 
 @exit_on_error
@@ -55,6 +62,7 @@ def main(argv=None) -> None:
     if len(devices) > 1 and name != "hf":
         raise EaglenestError(f"extract.devices {ex['devices']!r}: several devices need backend hf ({name} has its own: "
                              f"--dp-size / --data-parallel-size in extract.{name}.server_args)")  # fmt: skip
+    plan_disk(args.part, target, taps, states, Path(ex["work_dir"]), float(ex["disk_reserve_gb"]))
     backend = make_backend(name, target=target, device=devices[0], **options)
     report_paths = paths.report("extract", args.part), paths.timing("extract", args.part)
     try:
@@ -85,6 +93,18 @@ def main(argv=None) -> None:
         backend.close()  # stops a server the sglang or vllm backend launched
     add_fixed_cost(metrics, t_main, fingerprint_s)
     _figures.write(*report_paths, {**metrics, **made_on(pick_device(devices[0]))})
+
+
+def plan_disk(part: str, target, taps: list, states: str, work_root: Path, reserve_gb: float) -> None:
+    """The part's store bytes before anything loads (docs/design.md: Disk plan); a filesystem that
+    cannot hold them and the reserve refuses the part here."""
+    tokens = token_count(paths.tokenized(part))
+    shape = Shape(target.hidden_size, len(taps), states)
+    ratio, whence = ratio_of(paths.HIDDEN, states)
+    need = max(0, store_bytes(tokens, shape, ratio) - written(work_root, part))
+    log.info("%s: %s tokens -> a store of ~%s (%d B a token, compression %.2f: %s)", part, f"{tokens:,}",
+             size(store_bytes(tokens, shape, ratio)), shape.row, ratio, whence)  # fmt: skip
+    check_space(part, need, [work_root, paths.hidden(part)], int(reserve_gb * 1e9))
 
 
 if __name__ == "__main__":

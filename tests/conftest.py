@@ -239,10 +239,17 @@ def sh(cmd, cwd, check=True, timeout=900, env_extra=None):
     return p
 
 
-def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4) -> dict:
+LOCAL_TARGET = CACHE / "smollm2" / "model"  # the built-in target as a local directory (the `smollm2` fixture)
+
+
+def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4, local_target: bool = False) -> dict:
+    """local_target: the built-in target's converted directory as `target.path`, so the clone's
+    target stage only fingerprints it (the GGUF conversion takes ~20 s a clone; test_pipeline keeps it)."""
     import yaml
 
     p = yaml.safe_load((REPO / "params.yaml").read_text())
+    if local_target:
+        p["target"]["path"] = str(LOCAL_TARGET)
     p["data"] = {
         "parts": list(parts),
         "sharegpt": {name: {"start": i * per_part, "count": per_part, "turns": 0} for i, name in enumerate(parts)},

@@ -19,7 +19,8 @@ from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 from eaglenest.taps import resolve_taps
 
-from .conftest import REPO, base_params, gate, random_samples, run_py, stage_workspace, write_tokenized
+from .conftest import REPO, base_params, cosine, gate, random_samples, run_py, stage_workspace, write_tokenized
+from .defects import DroppedFirstPosition, OffByOneTap, PreNormFinal
 
 
 @pytest.mark.parametrize("dtype, min_cos, max_rel", [("float32", 0.999999, 2e-5), ("bfloat16", 0.999, 0.03)])
@@ -269,39 +270,6 @@ def test_tap_ids_out_of_range():
 
 
 # --- injected defects: each must fail the gate and commit nothing -------------------------------
-
-
-class OffByOneTap(HFBackend):
-    """Captures the residual stream one layer too late (the SGLang id-vs-index confusion)."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.taps = [t + 1 for t in self.taps]
-
-
-class PreNormFinal(HFBackend):
-    """Stores the last layer's output BEFORE the final norm as `final`."""
-
-    def extract_async(self, batch):
-        if self.decoder is None:
-            self.load()
-        grabbed = {}
-        h = self.decoder.norm.register_forward_pre_hook(lambda _m, a: grabbed.setdefault("x", a[0]))
-        try:
-            wait = super().extract_async(batch)
-        finally:
-            h.remove()
-        pre = grabbed["x"].to(torch.bfloat16).cpu()
-        return lambda: [(a, pre[b, : len(x)]) for b, ((a, _), x) in enumerate(zip(wait(), batch))]
-
-
-class DroppedFirstPosition(HFBackend):
-    """Loses the first position and shifts the rest forward (padding the end), as a capture that
-    misses the first token would."""
-
-    def extract_async(self, batch):
-        wait = super().extract_async(batch)
-        return lambda: [(torch.cat([a[1:], a[-1:]]), torch.cat([f[1:], f[-1:]])) for a, f in wait()]
 
 
 @pytest.mark.parametrize(
@@ -678,3 +646,29 @@ def test_extract_devices_resolve_to_one_worker_per_device():
     assert devices_for(3, "cpu") == ["cpu"] * 3  # several processes on the CPU: how tests stand in for GPUs
     with pytest.raises(EaglenestError, match="use device auto or cuda"):
         devices_for(2, "cuda:1")
+
+
+def test_samples_longer_than_a_batch_run_alone_with_the_same_states(tiny_target, tmp_path):
+    """extract.batch_tokens below a sample's length (4k-8k-token samples at 4k-token batches): the
+    sample runs as a batch of its own, and the store holds what batches that hold it give (up to
+    bf16 rounding: the CPU's GEMMs round by their shapes)."""
+    from eaglenest.extraction.plan import length_batches
+    from eaglenest.store.bf16 import from_bits
+
+    lengths = [300, 40, 90, 20]
+    assert length_batches(range(4), lengths, 64) == [[0], [2], [1], [3]]
+    tok = write_tokenized(tmp_path / "t.parquet", random_samples(10, 500, 70, 120, seed=9))
+    taps = resolve_taps("auto", tiny_target.num_layers)
+    stores = []
+    for name, batch in (("small", 64), ("large", 4096)):
+        extract_part(part="p", tokenized=tok, target=tiny_target, taps=taps, dtype="bfloat16", revision=0,
+                     backend=HFBackend(tiny_target, taps, device="cpu"), batch_tokens=batch, max_seq_len=128,
+                     layout_cfg=dict(chunk_mb=0.01, shard_mb=0.05, codec="zstd", level=1), validate_cfg=gate(2),
+                     out_dir=tmp_path / name, work_root=tmp_path / "work", progress=False)  # fmt: skip
+        stores.append(HiddenStore(tmp_path / name))
+    assert [(r["id"], r["length"]) for r in stores[0].index] == [(r["id"], r["length"]) for r in stores[1].index]
+    for i in range(len(stores[0])):
+        (ids_a, aux_a, fin_a), (ids_b, aux_b, fin_b) = stores[0].read(i), stores[1].read(i)
+        assert (ids_a == ids_b).all()
+        for a, b in ((aux_a, aux_b), (fin_a, fin_b)):
+            assert cosine(from_bits(a), from_bits(b)).min() > 0.999

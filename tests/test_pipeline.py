@@ -81,6 +81,32 @@ def test_repro_to_validated_stores_then_noop(built):
     assert json.loads((clone / "data/drafter/config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
 
 
+@pytest.mark.parametrize("arch, reference", [("deepseek-v3", "streamed"), ("qwen3-moe", "auto")])
+def test_moe_targets_run_to_an_evaluated_drafter(arch, reference, smollm2, tmp_path):
+    """Random mixture-of-experts targets from transformers' configs with the built-in tokenizer and
+    chat template (DeepSeek-V3: MLA, a shared and routed experts, a dense first layer; Qwen3-MoE):
+    `dvc repro` to an evaluated drafter, the gate passing their honest states (token_quantile auto:
+    the 98th-percentile token), its reference streamed a layer at a time where asked."""
+    from eaglenest.random_target import build
+
+    model = build(arch, tmp_path / "model", smollm2.model_dir)
+    params = tiny_params(parts=("tiny-a",), per_part=6)
+    params["target"]["path"] = str(model)
+    params["extract"]["taps"] = [1, 3, 4]
+    params["validate"]["reference"] = reference
+    repo = make_clone(tmp_path / "repo", params)
+    sh("dvc repro", repo)
+    report = json.loads((repo / "reports" / "extract" / "tiny-a.json").read_text())
+    timing = json.loads((repo / "reports" / "timing" / "extract" / "tiny-a.json").read_text())
+    assert report["validation"]["passed"] and report["validation"]["thresholds"]["token_quantile"] == 0.98
+    assert timing["forward_path"] == "transformers' forward"
+    assert timing["validation"]["reference"]["mode"] == ("streamed" if reference == "streamed" else "whole")
+    ev = json.loads((repo / "reports/evaluate.json").read_text())
+    assert ev["questions"] == 2 and ev["mismatches"] == {"2": 0} and ev["tau"]["2"] >= 1.0
+    config = json.loads((repo / "data/drafter/config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["hidden_size"] == 64
+
+
 def test_metrics_diff_shows_a_changed_training_param(clone):
     before = json.loads((clone / "metrics/train.json").read_text())
     params = yaml.safe_load((clone / "params.yaml").read_text())

@@ -22,7 +22,9 @@ def tree_digest(root):
 
 @pytest.fixture(scope="module")
 def produced(tmp_path_factory, smollm2):
-    repo = make_clone(tmp_path_factory.mktemp("remote") / "a", tiny_params(("r-a", "r-b"), per_part=3))
+    repo = make_clone(
+        tmp_path_factory.mktemp("remote") / "a", tiny_params(("r-a", "r-b"), per_part=3, local_target=True)
+    )
     sh("dvc repro pack", repo)
     commit(repo, "extracted")
     return repo
@@ -77,7 +79,7 @@ def test_parts_extracted_on_two_machines_meet_in_a_third_clone(remote, smollm2, 
     """DVC as the coordinator of parts across machines: A extracts one part and B the other, each
     pushing its run-cache; a third clone pulls and runs the whole pipeline without extracting."""
     add, local, env = remote
-    origin = make_clone(tmp_path / "origin", tiny_params(("m-a", "m-b"), per_part=3))
+    origin = make_clone(tmp_path / "origin", tiny_params(("m-a", "m-b"), per_part=3, local_target=True))
     for c in add:
         sh(c, origin)
     commit(origin, "shared remote")
@@ -100,7 +102,7 @@ def test_parts_extracted_on_two_machines_meet_in_a_third_clone(remote, smollm2, 
         sh(cmd, c)
     sh("dvc fetch --run-cache", c, env_extra=env)  # the runs and their outputs into the cache; no checkout
     out = sh("dvc repro --pull", c, env_extra=env).stdout  # restored from the run-cache: "is cached"
-    # target reruns (its metrics are in git, so DVC cannot restore it: ~20 s, the same bytes); every part's
+    # target reruns (its report is in git, so DVC cannot restore the run: a fingerprint, the same bytes); every part's
     # stages come from A's and B's runs
     assert ran(out) == {"target", "pack", "train", "evaluate"}, out
     for part, repo in machines.items():

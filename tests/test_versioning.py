@@ -23,7 +23,7 @@ def packed_index(repo):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, smollm2):
-    repo = make_clone(tmp_path_factory.mktemp("ver") / "base", tiny_params(PARTS[:2], per_part=3))
+    repo = make_clone(tmp_path_factory.mktemp("ver") / "base", tiny_params(PARTS[:2], per_part=3, local_target=True))
     sh("dvc repro pack", repo)
     commit(repo, "two parts")
     return repo
@@ -43,7 +43,7 @@ def clean_rebuild(tmp_path, params):
 
 
 def test_add_a_part_extracts_only_that_part(repo, tmp_path):
-    params = tiny_params(PARTS, per_part=3)
+    params = tiny_params(PARTS, per_part=3, local_target=True)
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout
     assert ran(out) == {"sharegpt@v-c", "generate@v-c", "tokenize@v-c", "extract@v-c", "pack"}
@@ -51,7 +51,7 @@ def test_add_a_part_extracts_only_that_part(repo, tmp_path):
 
 
 def test_edit_one_part_reruns_only_that_part(repo, tmp_path):
-    params = tiny_params(PARTS[:2], per_part=3)
+    params = tiny_params(PARTS[:2], per_part=3, local_target=True)
     params["data"]["sharegpt"]["v-b"]["count"] = 2  # the part's content changes
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout
@@ -71,7 +71,7 @@ def test_invalidate_by_extractor_fingerprint_and_revision(repo):
     assert packed_index(repo) == before  # the same extractor reproduces the same bytes
 
     # bumping extract.revision invalidates every part; the old versions stay in the cache
-    params = tiny_params(PARTS[:2], per_part=3)
+    params = tiny_params(PARTS[:2], per_part=3, local_target=True)
     params["extract"]["revision"] = 1
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout

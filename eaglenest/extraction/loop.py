@@ -22,6 +22,7 @@ from tqdm import tqdm
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
+from eaglenest.extraction.gate import THRESHOLDS, choose_streamed, token_quantile
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized, tokenized_file
 from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
@@ -37,7 +38,7 @@ from eaglenest.store.hidden_store import (
     write_checksums,
     write_index,
 )
-from eaglenest.target import Target
+from eaglenest.target import Target, model_config
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,20 @@ def _extract_part(
     described = backend.describe()
     info = extractor_info(described, taps, dtype, revision)
     efp = extractor_fingerprint(info)
+    forward = "transformers' forward" if str(described.get("version", "")).startswith("transformers") else "own layers"
+    if described.get("backend") == "hf":  # which code computes the states (docs/design.md: Extraction)
+        log.info("%s: hf backend on %s: %s (%s)", part, described.get("device"), forward, described.get("version"))
     input_sha = sha256_file(tokenized_file(tokenized))
     work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)), PLAN)
     work = WorkDir(work_root, part, work_key)
     if not work.committed() and hasattr(backend, "start_load"):  # not a resume: the target will be needed
         backend.start_load()  # it loads (and its kernels build) while the part is read and planned
+    # the gate's reference, whole or streamed (`gate.choose_streamed`), chosen before any work: a
+    # checkpoint, architecture or memory budget it cannot work with fails the part with nothing written
+    streamed = None
+    if gate_samples(validate_cfg) > 0:
+        streamed, why = choose_streamed(target, described.get("device", "cpu"), validate_cfg or {})
+        log.info("%s: the gate's float32 reference on %s: %s", part, described.get("device", "cpu"), why)
     names, seqs = read_tokenized(tokenized)
     if not seqs:
         raise EaglenestError(f"{tokenized}: no samples to extract")
@@ -149,7 +159,7 @@ def _extract_part(
     try:
         if n_gate > 0:
             reference = start_reference(target, taps, described.get("device", "cpu"), tokenized,
-                                        choose(len(seqs), n_gate, seed))  # fmt: skip
+                                        choose(len(seqs), n_gate, seed), streamed)  # fmt: skip
         if mine and getattr(backend, "loaded", True) is False:  # the hf backend (or waits for `start_load`)
             backend.load()
         if world > 1 and len(open_windows) > 1:
@@ -197,7 +207,7 @@ def _extract_part(
         store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
         t_gate = time.time()
-        gate_metrics, passed = _gate(store, reference, validate_cfg)
+        gate_metrics, passed = _gate(store, reference, validate_cfg, model_config(target))
         gate_s = time.time() - t_gate
         stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
         raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
@@ -218,6 +228,7 @@ def _extract_part(
             "padding_fraction": round(1 - sum(lengths) / (len(pieces) * layout.shard_tokens), 4),
             "extractor_fingerprint": efp,
             "devices": world,
+            "forward_path": forward if described.get("backend") == "hf" else described.get("backend"),
             "host_path": host_path,
             "validation": gate_metrics,
             # everything in this call that is not the forward loop; the stage adds imports and the
@@ -263,8 +274,12 @@ def gate_samples(cfg: dict | None) -> int:
     return int((cfg or {}).get("samples", 8))
 
 
-def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict) -> tuple[dict, bool]:
-    thresholds = {k: v for k, v in (cfg or {}).items() if k not in ("samples", "seed")}
+def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict,
+          target_config: dict) -> tuple[dict, bool]:  # fmt: skip
+    thresholds = {k: v for k, v in (cfg or {}).items() if k in THRESHOLDS}
+    q = token_quantile(cfg or {}, target_config)
+    if q < 1:  # only then: a dense target's figures stay as they were
+        thresholds["token_quantile"] = q
     if reference is None:  # validate.samples <= 0: benchmarks of the store path with synthetic states only
         log.warning("validation gate DISABLED (validate.samples: 0): nothing checks these states")
         return {"samples": 0, "disabled": True, "passed": True, "taps": {}}, True

@@ -28,6 +28,12 @@ def read_tokenized(path: Path) -> tuple[list[str], list[np.ndarray]]:
     return ids, np.split(flat, ends[:-1]) if len(col) else []
 
 
+def token_count(path: Path) -> int:
+    """A tokenized part's tokens, from its input_ids column alone."""
+    col = pq.read_table(tokenized_file(path), columns=["input_ids"]).column("input_ids")
+    return int(sum(len(chunk.flatten()) for chunk in col.chunks))
+
+
 @dataclass(frozen=True)
 class Piece:
     index: int

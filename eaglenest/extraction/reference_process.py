@@ -35,24 +35,26 @@ def choose(n_samples: int, want: int, seed: int) -> list[int]:
     return sorted(rng.choice(n_samples, size=min(want, n_samples), replace=False).tolist())
 
 
-def start_reference(target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int]):
+def start_reference(target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int], streamed: bool):
     """The gate's reference for a part extracted on `device`: a process of its own on an accelerator,
-    in this process on the CPU (module docstring)."""
+    in this process on the CPU (module docstring); streamed or whole (`gate.choose_streamed`)."""
     cls = LocalReference if device == "cpu" else ReferenceProcess
-    return cls(target, taps, device, tokenized, chosen)
+    return cls(target, taps, device, tokenized, chosen, streamed)
 
 
 class LocalReference:
     """The same interface in this process: `compare` loads the reference and compares."""
 
-    def __init__(self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int]):
-        self.target, self.taps, self.device, self.chosen = target, list(taps), device, chosen
+    def __init__(
+        self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int], streamed: bool = False
+    ):
+        self.target, self.taps, self.device, self.chosen, self.streamed = target, list(taps), device, chosen, streamed
 
     def compare(self, store: Path, thresholds: dict) -> tuple[dict, bool]:
         from eaglenest.extraction.gate import Reference
 
         t = time.perf_counter()
-        ref = Reference(self.target, self.taps, self.device)
+        ref = Reference(self.target, self.taps, self.device, self.streamed)
         load_s = time.perf_counter() - t
         metrics, passed = _compare(ref, store, self.chosen, thresholds)
         # here the states are taken in the comparison: `seconds_by_step.reference_s`
@@ -67,12 +69,14 @@ class ReferenceProcess:
     """Starts the process; `compare` hands it the complete store and returns (metrics, passed);
     `close` ends it, whatever happened."""
 
-    def __init__(self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int]):
+    def __init__(
+        self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int], streamed: bool = False
+    ):
         self.chosen = chosen
         self.ready = None  # what the process reports once its states are taken
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state inherited
         self.conn, child = ctx.Pipe()
-        job = (target, list(taps), device, str(tokenized), chosen, os.getpid())
+        job = (target, list(taps), device, str(tokenized), chosen, streamed, os.getpid())
         self.proc = ctx.Process(target=_serve, args=(job, child), name="gate-reference", daemon=True)
         self.proc.start()
         child.close()
@@ -128,11 +132,18 @@ def _compare(ref, store: Path, chosen: list[int], thresholds: dict) -> tuple[dic
     # first overlaps the reading of the rest
     with ThreadPoolExecutor(max(1, min(8, len(chosen))), thread_name_prefix="gate-read") as pool, ref:
         reads = {i: pool.submit(read, i) for i in chosen}
-        return run_gate(lambda i: reads[i].result(), chosen, ref, thresholds)
+        memory = None
+        if ref.model is not None:  # states not taken ahead (the CPU): all together now (streamed: one
+            ref.precompute([reads[i].result()[0] for i in chosen])  # read of the weights for all)
+            memory = ref.memory()
+        metrics, passed = run_gate(lambda i: reads[i].result(), chosen, ref, thresholds)
+    if memory is not None:
+        metrics["reference"] = memory
+    return metrics, passed
 
 
 def _serve(job, conn) -> None:
-    target, taps, device, tokenized, chosen, parent = job
+    target, taps, device, tokenized, chosen, streamed, parent = job
 
     def watch():  # ends with the extraction, whatever ended it
         while os.getppid() == parent:
@@ -145,13 +156,15 @@ def _serve(job, conn) -> None:
         from eaglenest.extraction.plan import read_tokenized
 
         t = time.perf_counter()
-        ref = Reference(target, taps, device)
+        ref = Reference(target, taps, device, streamed)
         loaded = time.perf_counter()
         seqs = read_tokenized(Path(tokenized))[1]
         ref.precompute([seqs[i] for i in chosen])
+        memory = ref.memory()
         ref.keep_head_only()
         states_s = time.perf_counter() - loaded
-        conn.send({"reference_load_s": round(loaded - t, 2), "reference_states_s": round(states_s, 2)})
+        conn.send({"reference_load_s": round(loaded - t, 2), "reference_states_s": round(states_s, 2),
+                   "reference": memory})  # fmt: skip
         msg = conn.recv()
         if msg is not None:
             conn.send({"result": _compare(ref, Path(msg[0]), chosen, msg[1])})

@@ -31,6 +31,26 @@ from . import SampleFailed
 REPO = Path(__file__).resolve().parents[3]
 
 
+def tensor_parallel_size(args: list[str]) -> int:
+    """--tensor-parallel-size / -tp N (or =N) among vLLM server arguments; 1 without."""
+    for i, a in enumerate(args):
+        name, _, value = a.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            return int(value or args[i + 1])
+    return 1
+
+
+def split_cores(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: this process's cores in as many
+    contiguous groups. vLLM binds each worker's threads to a NUMA node of its own unless told, and
+    fails on a one-node host ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise EaglenestError(f"extract.vllm.server_args: tensor parallel size {workers} > the {len(cores)} cores here")
+    groups = [cores[i * len(cores) // workers : (i + 1) * len(cores) // workers] for i in range(workers)]
+    return "|".join(f"{g[0]}-{g[-1]}" for g in groups)
+
+
 class VLLMBackend:
     def __init__(
         self,
@@ -92,12 +112,19 @@ class VLLMBackend:
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.target.model_dir.resolve()), "--served-model-name", "target",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype, "--seed", "0",
-            "--enforce-eager", "--max-model-len", "8192",
+            "--enforce-eager", "--max-model-len", str(self._max_len()),
             # a cached prefix is not recomputed, so its states would be missing from the capture
             "--no-enable-prefix-caching",
             "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
             *self.server_args,
         ]  # fmt: skip
+
+    def _max_len(self) -> int:
+        """8,192 tokens (the KV space a CPU server reserves grows with it), or the target's own limit
+        where that is shorter: vLLM refuses a longer --max-model-len."""
+        cfg = model_config(self.target)
+        cfg = cfg.get("text_config", cfg)
+        return min(8192, int(cfg.get("max_position_embeddings") or 8192))
 
     def _ensure_started(self) -> None:
         if self.pool is not None:
@@ -106,6 +133,9 @@ class VLLMBackend:
         self.capture_dir = Path(tempfile.mkdtemp(prefix="eaglenest-vllm-", dir=base))  # 0700
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of host memory for the CPU build's cache
+        workers = tensor_parallel_size(self.server_args)
+        if self.device == "cpu" and workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(workers)
         port = free_port()
         self.server = ServerProcess(
             "vLLM server",

@@ -1,0 +1,165 @@
+"""Bytes before work (docs/design.md: Disk plan): what a part's store, pack and the DVC cache will
+take, from token counts and the target's shape alone, and a refusal to start what the disk cannot
+hold. A store holds per token (taps + 1) x hidden states (`store.states`: bf16 2 bytes each; fp8 1
+and a float32 scale per tap), zstd-compressed by the ratio of the stores already written in that
+format (`ratio_of`), or by none (DEFAULT_RATIO) before the first."""
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eaglenest.errors import EaglenestError
+from eaglenest.sizes import size
+from eaglenest.store import states as state_format
+
+DEFAULT_RATIO = 1.0  # no compression assumed before a store of the format exists to measure it by
+PACK_TOKEN_BYTES = 8  # pack's per-token arrays beside the states: input id, loss mask, in-vocabulary
+
+
+def row_bytes(states: str, n_aux: int, hidden: int) -> int:
+    """One token's stored bytes, uncompressed."""
+    return sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, n_aux, hidden).values())
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the bytes depend on: the target's width, the taps, the stored format."""
+
+    hidden: int
+    n_aux: int
+    states: str
+
+    @classmethod
+    def from_config(cls, config_json: Path, n_aux: int, states: str) -> "Shape":
+        try:
+            cfg = json.loads(Path(config_json).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise EaglenestError(f"{config_json}: not a readable config.json ({e})") from None
+        cfg = cfg.get("text_config", cfg)
+        if "hidden_size" not in cfg:
+            raise EaglenestError(f"{config_json}: no hidden_size")
+        return cls(int(cfg["hidden_size"]), n_aux, state_format.check(states))
+
+    @property
+    def row(self) -> int:
+        return row_bytes(self.states, self.n_aux, self.hidden)
+
+
+def store_bytes(tokens: int, shape: Shape, ratio: float = DEFAULT_RATIO) -> int:
+    return int(tokens * shape.row / ratio)
+
+
+def pack_bytes(tokens: int, shape: Shape) -> int:
+    """pack writes every state again, uncompressed, with its per-token arrays."""
+    return tokens * (shape.row + PACK_TOKEN_BYTES)
+
+
+def ratio_of(stores_root: Path, states: str) -> tuple[float, str]:
+    """Raw over stored bytes across the committed stores of `states` under stores_root, and where
+    the figure comes from."""
+    from eaglenest.store.hidden_store import HiddenStore
+
+    raw = stored = 0
+    found = []
+    for path in sorted(Path(stores_root).glob("*/zarr.json")):
+        try:
+            store = HiddenStore(path.parent, check_metadata=False)
+        except EaglenestError:
+            continue  # not a committed store: nothing to measure
+        if store.states != states:
+            continue
+        raw += store.n_tokens * row_bytes(states, len(store.attrs["taps"]), store.attrs["hidden_size"])
+        stored += sum(f.stat().st_size for f in store.path.rglob("*") if f.is_file())
+        found.append(store.part)
+    if not stored:
+        return DEFAULT_RATIO, f"no {states} store yet: none assumed"
+    return raw / stored, f"measured on {', '.join(found)}"
+
+
+def written(work_root: Path, part: str) -> int:
+    """Bytes the part's work dirs already hold (a resume needs only the rest)."""
+    return sum(f.stat().st_size for d in Path(work_root).glob(f"{part}-*") for f in d.rglob("*") if f.is_file())
+
+
+def _filesystem(path: Path) -> tuple[int, Path]:
+    """(device id, the nearest existing ancestor) of a path that may not exist yet."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return os.stat(path).st_dev, path
+
+
+def check_space(part: str, need: int, paths: list[Path], reserve: int) -> None:
+    """Refuse (one line: the part, the estimate, the free space) when a filesystem that one of
+    `paths` lies on cannot hold `need` bytes plus `reserve`."""
+    for _dev, where in {_filesystem(p)[0]: _filesystem(p)[1] for p in paths}.items():
+        free = shutil.disk_usage(where).free
+        if need + reserve > free:
+            raise EaglenestError(
+                f"part {part}: its store needs ~{size(need)} (+ {size(reserve)} reserve) but {where} has "
+                f"{size(free)} free; nothing started (free space, or move extract.work_dir / data/hidden)"
+            )
+
+
+def dvc_cache_copies(repo: Path) -> bool:
+    """Whether DVC's cache holds a second copy of every output (cache.type copy, DVC's default)
+    rather than links to one (hardlink, symlink, reflink)."""
+    config = Path(repo) / ".dvc" / "config"
+    text = config.read_text() if config.is_file() else ""
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "type":
+            return "copy" in value
+    return True
+
+
+def for_config(config_json: Path, tokens: int, n_aux: int = 3, ratio: float = DEFAULT_RATIO) -> dict:
+    """Every format's store and pack bytes for a target known only by its config.json."""
+    out = {}
+    for states in state_format.FORMATS:
+        shape = Shape.from_config(config_json, n_aux, states)
+        out[states] = {"row_bytes": shape.row, "store_bytes": store_bytes(tokens, shape, ratio),
+                       "pack_bytes": pack_bytes(tokens, shape)}  # fmt: skip
+    return out
+
+
+def for_params(params: dict, repo: Path) -> dict:
+    """Every part of the current params: its tokens (once tokenized) and store bytes; pack; the DVC
+    cache; the free space; the extraction time at the rate this machine measured, if it has."""
+    from eaglenest.extraction.plan import token_count
+    from eaglenest.taps import resolve_taps
+    from eaglenest.target import load_target
+
+    repo = Path(repo)
+    target = load_target(repo / "data" / "target")
+    states = params["store"]["states"]
+    shape = Shape(target.hidden_size, len(resolve_taps(params["extract"]["taps"], target.num_layers)), states)
+    ratio, whence = ratio_of(repo / "data" / "hidden", states)
+    parts = {}
+    for part in params["data"]["parts"]:
+        tokenized = repo / "data" / "tokenized" / f"{part}.parquet"
+        tokens = token_count(tokenized) if tokenized.is_file() else None
+        parts[part] = {"tokens": tokens, "store_bytes": None if tokens is None else store_bytes(tokens, shape, ratio)}
+    tokens = sum(p["tokens"] or 0 for p in parts.values())
+    stores = sum(p["store_bytes"] or 0 for p in parts.values())
+    rates = []
+    for f in (repo / "reports" / "timing" / "extract").glob("*.json"):
+        rate = json.loads(f.read_text()).get("tokens_per_s")
+        rates += [rate] if rate else []
+    return {
+        "states": states,
+        "row_bytes": shape.row,
+        "compression_ratio": round(ratio, 3),
+        "compression_from": whence,
+        "parts": parts,
+        "untokenized": [p for p, v in parts.items() if v["tokens"] is None],
+        "stores_bytes": stores,
+        "pack_bytes": pack_bytes(tokens, shape),
+        "dvc_cache_bytes": stores + pack_bytes(tokens, shape) if dvc_cache_copies(repo) else 0,
+        "free_bytes": shutil.disk_usage(_filesystem(repo / "data")[1]).free,
+        "extract_hours": round(tokens / (sum(rates) / len(rates)) / 3600, 2) if rates and tokens else None,
+    }

@@ -1,0 +1,87 @@
+"""Tiny random-weight targets of other architectures, from transformers' own configs and a tokenizer
+already on disk (the built-in target's), for runs where no such model can be downloaded:
+
+    python -m eaglenest.random_target deepseek-v3 data/targets/dsv3 --tokenizer data/target/model
+
+then `target.path: data/targets/dsv3` in params.yaml. The weights are random (seeded): the states
+and drafters they give exercise the pipeline and the gate, not a language model's quality."""
+
+import argparse
+import shutil
+from pathlib import Path
+
+from eaglenest.atomic import replaced_dir
+from eaglenest.errors import EaglenestError, exit_on_error
+from eaglenest.target import TOKENIZER_FILES
+
+SMALL = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "max_position_embeddings": 4096}
+ARCHITECTURES = {
+    # name: (config class, its fields beyond SMALL)
+    # head_dim 64: a size vLLM's CPU attention kernels take
+    "llama": ("LlamaConfig", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 64}),
+    "gemma3": ("Gemma3TextConfig", {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16,
+                                    "sliding_window": 64}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"intermediate_size": 128, "moe_intermediate_size": 32, "num_key_value_heads": 2,
+                                     "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralConfig", {"intermediate_size": 64, "num_key_value_heads": 2, "num_local_experts": 8,
+                                  "num_experts_per_tok": 2}),
+    # MLA attention, one shared and 8 routed experts in 2 groups, the first layer dense (DeepSeek-V3's shape)
+    "deepseek-v3": ("DeepseekV3Config", {"intermediate_size": 128, "moe_intermediate_size": 32,
+                                         "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+                                         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                                         "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}),
+}  # fmt: skip
+
+
+def build(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, max_shard_size: str = "5MB") -> Path:
+    """A random `arch` target with the tokenizer (and chat template) of `tokenizer_dir`, saved as
+    sharded safetensors with an index (as large checkpoints are) in `out`."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if arch not in ARCHITECTURES:
+        raise EaglenestError(f"architecture {arch!r}: not one of {', '.join(ARCHITECTURES)}")
+    tokenizer_dir = Path(tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise EaglenestError(f"{tokenizer_dir}: no tokenizer_config.json (give a model directory with a tokenizer)")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    cls, fields = ARCHITECTURES[arch]
+    config = getattr(transformers, cls)(
+        **SMALL,
+        **fields,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16)
+    with replaced_dir(Path(out)) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, tmp / name)
+        for name in ("generation_config.json",):  # the end-of-turn ids evaluate stops at
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, tmp / name)
+    return Path(out)
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("arch", choices=sorted(ARCHITECTURES))
+    ap.add_argument("out", type=Path, help="the model directory to write (replaced whole)")
+    ap.add_argument("--tokenizer", type=Path, default=Path("data/target/model"),
+                    help="a model directory whose tokenizer and chat template the target takes (default: the "
+                    "built-in target's, after `dvc repro target`)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(build(args.arch, args.out, args.tokenizer, args.seed))
+
+
+if __name__ == "__main__":
+    main()
