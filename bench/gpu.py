@@ -453,7 +453,7 @@ def bench_loader(res, target):
         device="cuda",
     )
     res["pack_s"] = round(time.time() - t, 1)
-    split = PackedSplit(OUT / "packed", "train")
+    split = PackedSplit(OUT / "packed", "train", OUT / "hidden")
     idx = list(range(len(split)))
     random.Random(0).shuffle(idx)
     os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")  # cold read where permitted
@@ -490,7 +490,7 @@ def bench_trainer(res, target, steps: int = 40):
     cfg = TrainConfig.from_params(
         {**_params.load("train"), "ttt_steps": 7, "batch_tokens": T, "micro_batches": 1, "device": "cuda"}
     )
-    tr = Trainer(OUT / "packed", target, cfg, OUT / "ckpt")
+    tr = Trainer(OUT / "packed", OUT / "hidden", target, cfg, OUT / "ckpt")
     plan = [[[i]] for i in range(len(tr.train_split))][: steps + 3]
     with ThreadPoolExecutor(1) as loader:
         for s, (micro, loaded) in enumerate(tr.prefetched(plan, loader)):

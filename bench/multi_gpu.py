@@ -101,7 +101,9 @@ def train_main(args):
             "device": "cuda",
         }
     )
-    tr = Trainer(OUT / "packed", load_target(OUT / "target"), cfg, OUT / f"ckpt-{os.environ.get('WORLD_SIZE')}")
+    tr = Trainer(
+        OUT / "packed", OUT / "one", load_target(OUT / "target"), cfg, OUT / f"ckpt-{os.environ.get('WORLD_SIZE')}"
+    )
     if tr.ckpt_path.exists():
         tr.ckpt_path.unlink()
     r = tr.fit(progress=False)

@@ -59,7 +59,7 @@ def specforge_trainer(packed: Path, target, cfg, ckpt_dir: Path, attention: str 
 
     class SpecForgeTrainer(Trainer):
         def __init__(self):
-            super().__init__(packed, target, cfg, ckpt_dir)
+            super().__init__(packed, Path("data/hidden"), target, cfg, ckpt_dir)
             tcfg = json.loads((target.model_dir / "config.json").read_text())
             scfg = LlamaConfig(**{**tcfg, "num_hidden_layers": 1})
             scfg.intermediate_size = cfg.intermediate_size or tcfg["intermediate_size"]

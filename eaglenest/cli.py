@@ -174,7 +174,7 @@ def cmd_plan(args) -> int:
         tokens = f"{v['tokens']:>12,} tokens" if v["tokens"] is not None else "not tokenized yet".rjust(19)
         print(f"  {part:24s} {tokens}   store {size(v['store_bytes']) if v['store_bytes'] is not None else '?':>9}")
     print(f"  {'stores':24s} {'':19s}         {size(out['stores_bytes']):>9}")
-    print(f"  {'pack':24s} {'':19s}         {size(out['pack_bytes']):>9}   (every state again, uncompressed)")
+    print(f"  {'pack':24s} {'':19s}         {size(out['pack_bytes']):>9}   (tokens and an index: no state copied)")
     cache = "a copy of every output" if out["dvc_cache_bytes"] else "links, no second copy: cache.type"
     print(f"  {'DVC cache':24s} {'':19s}         {size(out['dvc_cache_bytes']):>9}   ({cache})")
     print(f"  {'free on data/':24s} {'':19s}         {size(out['free_bytes']):>9}")
@@ -239,7 +239,7 @@ def main(argv=None) -> None:
         help="bytes before work: every part's store, pack and the DVC cache",
         description="Estimate what the extraction will write, without running anything: per part "
         "tokens x (taps + 1) x hidden x bytes per element over the compression the stores already "
-        "written show (or none), pack's second copy and the DVC cache; with --config, for a target "
+        "written show (or none), pack (tokens and an index: no state) and the DVC cache; with --config, for a target "
         "known only by its config.json, in every store format.",
     )
     pl.add_argument("--params", default="params.yaml")

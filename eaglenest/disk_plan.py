@@ -1,8 +1,9 @@
-"""Bytes before work (docs/design.md: Disk plan): what a part's store, pack and the DVC cache will
-take, from token counts and the target's shape alone, and a refusal to start what the disk cannot
-hold. A store holds per token (taps + 1) x hidden states (`store.states`: bf16 2 bytes each; fp8 1
-and a float32 scale per tap), zstd-compressed by the ratio of the stores already written in that
-format (`ratio_of`), or by none (DEFAULT_RATIO) before the first."""
+"""Bytes before work (docs/design.md: Disk plan): what a part's store, pack (an index into the
+stores: no state copied) and the DVC cache will take, from token counts and the target's shape
+alone, and a refusal to start what the disk cannot hold. A store holds per token (taps + 1) x hidden
+states (`store.states`: bf16 2 bytes each; fp8 1 and a float32 scale per tap), zstd-compressed by
+the ratio of the stores already written in that format (`ratio_of`), or by none (DEFAULT_RATIO)
+before the first."""
 
 import json
 import os
@@ -17,7 +18,8 @@ from eaglenest.sizes import size
 from eaglenest.store import states as state_format
 
 DEFAULT_RATIO = 1.0  # no compression assumed before a store of the format exists to measure it by
-PACK_TOKEN_BYTES = 8  # pack's per-token arrays beside the states: input id, loss mask, in-vocabulary
+PACK_TOKEN_BYTES = 6  # pack's per-token arrays (input id, loss mask, in-vocabulary): no state is copied
+PACK_SAMPLE_BYTES = 100  # per sample: its row of pack's index and its offset
 
 
 def row_bytes(states: str, n_aux: int, hidden: int) -> int:
@@ -53,9 +55,9 @@ def store_bytes(tokens: int, shape: Shape, ratio: float = DEFAULT_RATIO) -> int:
     return int(tokens * shape.row / ratio)
 
 
-def pack_bytes(tokens: int, shape: Shape) -> int:
-    """pack writes every state again, uncompressed, with its per-token arrays."""
-    return tokens * (shape.row + PACK_TOKEN_BYTES)
+def pack_bytes(tokens: int, samples: int = 0) -> int:
+    """pack writes the tokens, masks and an index into the stores; the states stay in the stores."""
+    return tokens * PACK_TOKEN_BYTES + samples * PACK_SAMPLE_BYTES
 
 
 def ratio_of(stores_root: Path, states: str) -> tuple[float, str]:
@@ -123,14 +125,14 @@ def for_config(config_json: Path, tokens: int, n_aux: int = 3, ratio: float = DE
     for states in state_format.FORMATS:
         shape = Shape.from_config(config_json, n_aux, states)
         out[states] = {"row_bytes": shape.row, "store_bytes": store_bytes(tokens, shape, ratio),
-                       "pack_bytes": pack_bytes(tokens, shape)}  # fmt: skip
+                       "pack_bytes": pack_bytes(tokens)}  # fmt: skip
     return out
 
 
 def for_params(params: dict, repo: Path) -> dict:
     """Every part of the current params: its tokens (once tokenized) and store bytes; pack; the DVC
     cache; the free space; the extraction time at the rate this machine measured, if it has."""
-    from eaglenest.extraction.plan import token_count
+    from eaglenest.extraction.plan import sample_count, token_count
     from eaglenest.taps import resolve_taps
     from eaglenest.target import load_target
 
@@ -143,8 +145,10 @@ def for_params(params: dict, repo: Path) -> dict:
     for part in params["data"]["parts"]:
         tokenized = repo / "data" / "tokenized" / f"{part}.parquet"
         tokens = token_count(tokenized) if tokenized.is_file() else None
-        parts[part] = {"tokens": tokens, "store_bytes": None if tokens is None else store_bytes(tokens, shape, ratio)}
+        parts[part] = {"tokens": tokens, "store_bytes": None if tokens is None else store_bytes(tokens, shape, ratio),
+                       "samples": sample_count(tokenized) if tokenized.is_file() else None}  # fmt: skip
     tokens = sum(p["tokens"] or 0 for p in parts.values())
+    samples = sum(p["samples"] or 0 for p in parts.values())
     stores = sum(p["store_bytes"] or 0 for p in parts.values())
     rates = []
     for f in (repo / "reports" / "timing" / "extract").glob("*.json"):
@@ -158,8 +162,8 @@ def for_params(params: dict, repo: Path) -> dict:
         "parts": parts,
         "untokenized": [p for p, v in parts.items() if v["tokens"] is None],
         "stores_bytes": stores,
-        "pack_bytes": pack_bytes(tokens, shape),
-        "dvc_cache_bytes": stores + pack_bytes(tokens, shape) if dvc_cache_copies(repo) else 0,
+        "pack_bytes": pack_bytes(tokens, samples),
+        "dvc_cache_bytes": stores + pack_bytes(tokens, samples) if dvc_cache_copies(repo) else 0,
         "free_bytes": shutil.disk_usage(_filesystem(repo / "data")[1]).free,
         "extract_hours": round(tokens / (sum(rates) / len(rates)) / 3600, 2) if rates and tokens else None,
     }

@@ -168,6 +168,7 @@ SCHEMA = {
         "attention": _one_of("auto", "eager", "flex"),
         "compile": AUTO_BOOL,
         "intermediate_size": _either(_null, POS, what="null or an integer >= 1"),
+        "loader_workers": _either(_one_of("auto"), _int(0), what="auto or an integer >= 0"),
     },
     "evaluate": {
         "questions": POS,

@@ -1,11 +1,13 @@
-"""Stage `pack`: every part's store -> draft vocabulary + train/val shards (data/packed).
+"""Stage `pack`: every part's store -> draft vocabulary, train/val split, tokens and an index into the
+stores (data/packed). No state is copied: training reads the states from the stores.
 
-python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb;
-                            untracked: pack.device, where the teacher's argmax over the vocabulary is
-                            computed, and pack.workers, processes writing shards: auto = cores, max 16)
-Writes metrics/data.json (the tokens training gets) and reports/pack.json (the split, the
-draft vocabulary's coverage, and each part's headline figures from its stages' reports: samples,
-truncated and skipped, turns regenerated, the validation gate's worst figures).
+python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb:
+                            the states read per unit of work; untracked: pack.device, where the
+                            teacher's argmax over the vocabulary is computed, and pack.workers,
+                            processes reading the stores: auto = cores, max 16)
+Writes metrics/data.json (pack's and the stores' bytes, in MB) and reports/pack.json (the split,
+the tokens, the draft vocabulary's coverage, and each part's headline figures from its stages'
+reports: samples, truncated and skipped, turns regenerated, the validation gate's worst figures).
 """
 
 import argparse
@@ -48,7 +50,9 @@ def main(argv=None) -> None:
         workers=_params.workers(p["workers"]),
     )
     made = made_on(device)
-    write_json(paths.metrics("data"), {"tokens": figures["tokens"], **made})  # the rest: reports/pack.json
+    # each state is stored once: pack's bytes beside the stores' (the rest: reports/pack.json)
+    sizes = {"pack_mb": round(figures["pack_bytes"] / 1e6, 2), "stores_mb": round(figures["store_bytes"] / 1e6, 1)}
+    write_json(paths.metrics("data"), {**sizes, **made})
     write_json(paths.report("pack"), {**figures, "parts": headlines, **made})
 
 

@@ -1,4 +1,5 @@
-"""Stage `train`: the EAGLE-3 drafter on data/packed, exported to data/drafter in the serving format.
+"""Stage `train`: the EAGLE-3 drafter on data/packed (the split and tokens) and data/hidden (the states,
+read from the stores), exported to data/drafter in the serving format.
 
     python -m stages.train                                   (one process)
     torchrun --nproc-per-node 2 -m stages.train              (DDP; gloo on CPU, NCCL on GPU)
@@ -35,7 +36,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     p = _params.load("train")
     cfg = TrainConfig.from_params(p)
-    trainer = Trainer(paths.PACKED, load_target(paths.TARGET), cfg, Path(args.ckpt_dir))
+    trainer = Trainer(paths.PACKED, paths.HIDDEN, load_target(paths.TARGET), cfg, Path(args.ckpt_dir))
     rank0 = trainer.rank == 0
     live = None
     if rank0 and args.stop_after_steps is None:
@@ -65,10 +66,7 @@ def main(argv=None) -> None:
             trainer.model.save_pretrained(tmp)
         last = result["epochs"][-1]
         made = made_on(str(trainer.device))
-        write_json(
-            Path(args.metrics),
-            {"val_loss": last["val"]["loss"], "val_tau": last["val"]["simulated_tau"], **made},
-        )
+        write_json(Path(args.metrics), {"val_tau": last["val"]["simulated_tau"], **made})  # loss: the report
         write_json(
             Path(args.report),
             {

@@ -218,6 +218,7 @@ def train_params(**over) -> dict:
         "attention": "auto",
         "compile": "auto",
         "intermediate_size": None,
+        "loader_workers": 0,
     }
     t.update(over)
     return t

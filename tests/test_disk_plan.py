@@ -30,8 +30,8 @@ def test_plan_for_a_config_alone_gives_the_1t_moe_users_terabytes(tmp_path):
 
 
 def test_plan_estimates_the_stores_and_pack_it_made(tiny_packed, tmp_path):
-    """Each part's store from its tokens and the compression of the stores written, and pack's second
-    copy: within a few percent of the bytes on disk."""
+    """Each part's store from its tokens and the compression of the stores written: within a few percent
+    of the bytes on disk; pack (tokens and an index, no state): within 2x, and a small fraction of them."""
     ws = shutil.copytree(tiny_packed, tmp_path / "ws", symlinks=True)
     params = yaml.safe_load((ws / "params.yaml").read_text())
     params["data"] = {"parts": ["a", "b", "c"]}  # c: not tokenized yet
@@ -42,8 +42,9 @@ def test_plan_estimates_the_stores_and_pack_it_made(tiny_packed, tmp_path):
         assert plan["parts"][part]["tokens"] == store.n_tokens
         assert abs(plan["parts"][part]["store_bytes"] / on_disk - 1) < 0.05, (part, plan["parts"][part], on_disk)
     assert plan["untokenized"] == ["c"] and plan["parts"]["c"]["store_bytes"] is None
-    packed = sum(f.stat().st_size for f in (ws / "data" / "packed").rglob("*.npy"))
-    assert abs(plan["pack_bytes"] / packed - 1) < 0.05, (plan["pack_bytes"], packed)
+    packed = sum(f.stat().st_size for f in (ws / "data" / "packed").rglob("*") if f.is_file())
+    assert 0.5 < plan["pack_bytes"] / packed < 2, (plan["pack_bytes"], packed)
+    assert plan["pack_bytes"] < 0.1 * plan["stores_bytes"]
 
 
 def test_extract_refuses_a_part_the_disk_cannot_hold_before_it_starts(tiny_target, tmp_path):

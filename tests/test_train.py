@@ -34,14 +34,29 @@ def test_pack_layout_and_vocab(tiny_packed):
     vocab = load_file(str(tiny_packed / "data/packed/vocab.safetensors"))
     sel, d2t, t2d = vocab["selected"], vocab["d2t"], vocab["t2d"]
     assert torch.equal(sel, torch.arange(48) + d2t) and t2d.sum() == 48 and t2d[sel].all()
-    train, val = PackedSplit(tiny_packed / "data/packed", "train"), PackedSplit(tiny_packed / "data/packed", "val")
+    packed, hidden = tiny_packed / "data/packed", tiny_packed / "data/hidden"
+    train, val = PackedSplit(packed, "train", hidden), PackedSplit(packed, "val", hidden)
     assert len(train) + len(val) == 48 and len(val) > 0
-    metrics = json.loads((tiny_packed / "data/packed/manifest.json").read_text())
-    assert metrics["draft_vocab_size"] == 48 and len(metrics["shards"]["train"]) > 1
+    manifest = json.loads((packed / "manifest.json").read_text())
+    assert manifest["draft_vocab_size"] == 48 and set(manifest["stores"]) == {"a", "b"}
+    # each state is stored once: the pack holds the split, the tokens and the index, no state
+    files = {p.name for p in packed.rglob("*") if p.is_file()}
+    assert files == {"vocab.safetensors", "manifest.json", "index.parquet", "input_ids.npy", "loss_mask.npy",
+                     "in_vocab.npy", "offsets.npy"}, files  # fmt: skip
+    # a sample as training reads it: the stored arrays of its store, its tokens and masks
+    from eaglenest.store.hidden_store import HiddenStore
+
+    for split in (train, val):
+        for i in (0, len(split) - 1):
+            part, row, _, n = split.samples[i]
+            ids, stored = HiddenStore(hidden / part).read_stored(row)
+            got = split.get(i)
+            assert all(np.array_equal(got[k], v) for k, v in stored.items()) and np.array_equal(got["input_ids"], ids)
+            assert len(got["loss_mask"]) == len(got["in_vocab"]) == n
 
 
 def test_pack_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_target, tmp_path):
-    """Shards are planned before any read, so 3 writer processes give the 1-process bytes exactly."""
+    """Units of work are planned before any read, so 3 reader processes give the 1-process bytes exactly."""
     from eaglenest.data.pack import pack
     from eaglenest.target import load_heads
 
@@ -60,7 +75,7 @@ def test_pack_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_targ
     )
     ref = sorted(p.relative_to(data / "packed") for p in (data / "packed").rglob("*") if p.is_file())
     got = sorted(p.relative_to(tmp_path / "packed") for p in (tmp_path / "packed").rglob("*") if p.is_file())
-    assert got == ref and len([p for p in ref if p.name == "offsets.npy"]) > 2
+    assert got == ref and len([p for p in ref if p.name == "offsets.npy"]) == 2  # train and val
     for rel in ref:
         assert (tmp_path / "packed" / rel).read_bytes() == (data / "packed" / rel).read_bytes(), rel
     assert metrics["samples"] == 48 and 0 < metrics["teacher_argmax_in_vocab"] <= 1
@@ -76,9 +91,8 @@ def test_fp8_states_stay_fp8_in_the_pack_and_decode_to_the_stores_values(tiny_ta
     ws = build_packed(tmp_path / "ws", tiny_target, states="fp8")
     packed = ws / "data/packed"
     assert json.loads((packed / "manifest.json").read_text())["states"] == "fp8"
-    shard = packed / "train" / "00000"
-    assert np.load(shard / "aux.npy").dtype == np.uint8 and (shard / "aux_scale.npy").is_file()
-    split = PackedSplit(packed, "train")
+    split = PackedSplit(packed, "train", ws / "data/hidden")
+    assert split.get(0)["aux"].dtype == np.uint8 and "aux_scale" in split.names  # read as stored
     rows = [r for r in pq.read_table(packed / "index.parquet").to_pylist() if r["split"] == "train"]
     stores = {p: HiddenStore(ws / "data/hidden" / p) for p in ("a", "b")}
     pos = {(p, r["id"]): i for p, s in stores.items() for i, r in enumerate(s.index)}
@@ -220,7 +234,13 @@ def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_pat
 
     def trainer():
         cfg = TrainConfig(**train_params())
-        return T.Trainer(tiny_packed / "data/packed", load_target(tiny_packed / "data/target"), cfg, tmp_path)
+        return T.Trainer(
+            tiny_packed / "data/packed",
+            tiny_packed / "data/hidden",
+            load_target(tiny_packed / "data/target"),
+            cfg,
+            tmp_path,
+        )
 
     a = trainer()
     a.fit(stop_after_steps=2, progress=False)
@@ -233,7 +253,7 @@ def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_pat
 def test_bucketed_batches_have_few_fixed_shapes_and_hold_every_sample_once(tiny_packed):
     from eaglenest.data.packed import batch_shape, bucket_width, epoch_batches
 
-    split = PackedSplit(tiny_packed / "data/packed", "train")
+    split = PackedSplit(tiny_packed / "data/packed", "train", tiny_packed / "data/hidden")
     lengths = [split.length(i) for i in range(len(split))]
     assert bucket_width(640) == 128 and bucket_width(2048) == 256 and bucket_width(100) == 128
     q, budget = 32, 256
@@ -249,3 +269,54 @@ def test_bucketed_batches_have_few_fixed_shapes_and_hold_every_sample_once(tiny_
         assert len(shapes) <= -(-max(lengths) // q)
     # bucket 0 keeps the previous grouping (CPU runs reproduce bit for bit)
     assert epoch_batches(split, 0, 0, budget) == epoch_batches(split, 0, 0, budget, bucket=0)
+
+
+def test_loader_processes_give_the_batches_collated_here(tiny_packed):
+    """train.loader_workers: the stores read in worker processes, the same batches as in this process."""
+    from eaglenest.data.loader import BatchLoader
+    from eaglenest.data.packed import batch_shape, collate, epoch_batches
+
+    packed, hidden = tiny_packed / "data/packed", tiny_packed / "data/hidden"
+    split = PackedSplit(packed, "train", hidden)
+    loader = BatchLoader(packed, hidden, split, 2)
+    try:
+        batches = epoch_batches(split, 0, 0, 240)
+        shapes = [batch_shape([split.length(i) for i in b]) for b in batches]
+        futures = [loader.submit(b, s) for b, s in zip(batches, shapes)]
+        for b, s, f in zip(batches, shapes, futures):
+            here, there = collate(split, b, s), f.result()
+            assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+    finally:
+        loader.close()
+
+
+def test_a_store_gone_or_changed_since_pack_is_named_with_its_fix(tiny_packed, tmp_path):
+    """Training reads the states from the stores pack indexed: one deleted (or moved, or invalidated),
+    or re-extracted with other content, fails the stage naming the part and the command that fixes it,
+    never mixing data."""
+    ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=1)
+    store = ws / "data/hidden/a"
+    shutil.move(store, tmp_path / "a-aside")
+    p = run_py(["-m", "stages.train"], cwd=ws, check=False)
+    assert p.returncode != 0
+    line = p.stderr.strip().splitlines()[-1]
+    assert "part a: its store is gone or unreadable since pack ran" in line and "dvc checkout data/hidden/a" in line
+    shutil.copytree(ws / "data/hidden/b", store)  # another part's samples where part a's were
+    p = run_py(["-m", "stages.train"], cwd=ws, check=False)
+    assert p.returncode != 0
+    line = p.stderr.strip().splitlines()[-1]
+    assert "part a: data/hidden/a is not the store pack indexed" in line and "dvc repro" in line
+    assert not (ws / "data/drafter").exists()
+
+
+def test_states_kept_in_memory_are_read_and_checked_once_a_run(tiny_packed, tmp_path):
+    """Reading in the training process (the CPU), states that fit a quarter of the free memory are kept
+    once read: later epochs read no store. Past the budget nothing is kept."""
+    ws = shutil.copytree(tiny_packed, tmp_path / "ws", symlinks=True)
+    split = PackedSplit(ws / "data/packed", "train", ws / "data/hidden")
+    assert not split.keep_in_memory(1024)  # too small: read every time
+    assert split.keep_in_memory(10**9)
+    first = [split.get(i) for i in range(len(split))]
+    shutil.rmtree(ws / "data/hidden")  # no store left to read
+    again = [split.get(i) for i in range(len(split))]
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(first, again) for k in a)

@@ -1,13 +1,14 @@
 """Pack (docs/design.md: Pack): every part's store (digest-verified on read) + its loss masks -> the draft
-vocabulary and train/val shards laid out for sequential reads.
+vocabulary, the train/val split and an index into the stores. No state is copied: training reads
+the states from the stores themselves (`packed.PackedSplit`), so each state is stored once.
 
     <out>/vocab.safetensors         selected, d2t (int64), t2d (bool)
-    <out>/{train,val}/<NNNNN>/      the states as the stores keep them (`state_format`: bf16 aux.npy
-                                    [T,3,H] u16 + final.npy [T,H] u16; fp8 adds aux_scale/final_scale),
-                                    input_ids.npy [T] i32, loss_mask.npy [T] u8, in_vocab.npy [T] u8,
-                                    offsets.npy [n+1] i64
-    <out>/manifest.json             fingerprints, taps, state format, shard list
-    <out>/index.parquet             per sample, in packed order: key, part, id, split, digest
+    <out>/{train,val}/              per split, its samples in packed order: input_ids.npy [T] i32,
+                                    loss_mask.npy [T] u8, in_vocab.npy [T] u8, offsets.npy [n+1] i64
+    <out>/manifest.json             fingerprints, taps, state format, each store indexed (its
+                                    extractor and a digest of its samples' digests), each split's counts
+    <out>/index.parquet             per sample, in packed order: key, part, id, split, digest, row (the
+                                    sample's index in its store), length
 
 Samples are ordered by key (a hash: shuffled, deterministic, independent of part order); the
 split is by key too, so adding a part never moves an existing sample between train and val.
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.data.vocab import build_vocab, coverage
 from eaglenest.errors import EaglenestError
+from eaglenest.hashing import sha256_text
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
 
@@ -36,8 +38,13 @@ TOKEN_ARRAYS = ("input_ids", "loss_mask", "in_vocab")
 
 
 def packed_arrays(states: str) -> tuple[str, ...]:
-    """The .npy arrays of a shard: the stores' state arrays, then the per-token ones."""
+    """A sample's arrays as training reads them: the stores' state arrays, then the per-token ones."""
     return (*state_format.arrays(states, 0, 0), *TOKEN_ARRAYS)
+
+
+def samples_digest(store: HiddenStore) -> str:
+    """A store's content as pack indexed it: the digest of its samples' digests, in its order."""
+    return sha256_text(*(r["digest"] for r in store.index))
 
 
 def is_val(key: str, val_fraction: float) -> bool:
@@ -69,16 +76,16 @@ def open_parts(parts: list[str], hidden_dir: Path, tokenized_dir: Path):
     return stores, masks
 
 
-def plan_shards(samples: list[tuple], lengths: list[int], val_fraction: float, shard_tokens: int) -> dict:
-    """Samples (in key order) of each split's shards: a shard closes once it holds shard_tokens or
-    more. Fixed before any state is read, so the shards are the same whatever the worker count."""
+def plan_units(samples: list[tuple], lengths: list[int], val_fraction: float, unit_tokens: int) -> dict:
+    """Samples (in key order) of each split's units of work: a unit closes once it holds unit_tokens
+    or more. Fixed before any state is read, so the output is the same whatever the worker count."""
     plan = {"train": [[]], "val": [[]]}
     filled = {"train": 0, "val": 0}
     for sample, n in zip(samples, lengths):
         split = "val" if is_val(sample[0], val_fraction) else "train"
         plan[split][-1].append(sample)
         filled[split] += n
-        if filled[split] >= shard_tokens:
+        if filled[split] >= unit_tokens:
             plan[split].append([])
             filled[split] = 0
     return {k: [s for s in v if s] for k, v in plan.items()}
@@ -97,8 +104,8 @@ def pack(
     device: str = "cpu",
     workers: int = 1,
 ) -> dict:
-    """workers > 1: shards are written by that many processes (reading and digest-checking a
-    sample costs ~10 ms of one core in zarr, which one process cannot hide); the bytes are the same."""
+    """workers > 1: the stores are read by that many processes (reading and digest-checking a sample
+    costs ~10 ms of one core in zarr, which one process cannot hide); the output is the same."""
     stores, masks = open_parts(parts, hidden_dir, tokenized_dir)
     samples, lengths = [], []  # (key, part, store index, id), tokens
     counts = np.zeros(lm_head.shape[0], dtype=np.int64)
@@ -125,25 +132,25 @@ def pack(
 
         A, H, states = len(stores[0].attrs["taps"]), stores[0].attrs["hidden_size"], stores[0].states
         row_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in state_format.arrays(states, A, H).values())
-        plan = plan_shards(samples, lengths, val_fraction, max(1, int(shard_mb * 2**20 / row_bytes)))
+        # units of work: `shard_mb` of states read each, planned before any is read (the same arrays
+        # whatever the worker count)
+        plan = plan_units(samples, lengths, val_fraction, max(1, int(shard_mb * 2**20 / row_bytes)))
         jobs = [
             (split, n, [(key, part, i, sid, *masks[part][sid]) for key, part, i, sid in shard])
-            for split, shards in plan.items()
-            for n, shard in enumerate(shards)
+            for split, units in plan.items()
+            for n, shard in enumerate(units)
         ]
-        for split in plan:
-            (tmp / split).mkdir()
-        setup = ({s.part: str(s.path) for s in stores}, lm_head, t2d, device, states, tmp)
+        setup = ({s.part: str(s.path) for s in stores}, lm_head, t2d, device, states)
         results = {}
         with tqdm(total=len(samples), desc="pack", unit="sample", disable=not progress) as bar:
             if workers <= 1:
                 _worker_init(*setup)
-                done = map(_write_shard, jobs)
+                done = map(_read_unit, jobs)
             else:
                 pool = ProcessPoolExecutor(
                     workers, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=setup
                 )
-                done = pool.map(_write_shard, jobs)
+                done = pool.map(_read_unit, jobs)
             try:
                 for (split, n, _), r in zip(jobs, done):
                     results[split, n] = r
@@ -151,8 +158,21 @@ def pack(
             finally:
                 if workers > 1:
                     pool.shutdown(cancel_futures=True)
-        shards = {split: [results[split, n]["shard"] for n in range(len(plan[split]))] for split in plan}
-        stats = {split: [sum(len(s) for s in plan[split]), sum(r["tokens"] for r in shards[split])] for split in plan}
+        stats = {}
+        for split in plan:
+            units = [results[split, n] for n in range(len(plan[split]))]
+            empty = {
+                "input_ids": np.zeros(0, np.int32),
+                "loss_mask": np.zeros(0, np.uint8),
+                "in_vocab": np.zeros(0, np.uint8),
+            }
+            arrays = {k: np.concatenate([u["arrays"][k] for u in units]) for k in TOKEN_ARRAYS} if units else empty
+            lengths_of = [n for u in units for n in u["lengths"]]
+            (tmp / split).mkdir()
+            for k, v in arrays.items():
+                np.save(tmp / split / f"{k}.npy", v)
+            np.save(tmp / split / "offsets.npy", np.concatenate([[0], np.cumsum(lengths_of)]).astype(np.int64))
+            stats[split] = [len(lengths_of), int(sum(lengths_of))]
         if stats["train"][0] == 0:
             raise EaglenestError("pack: no training samples (too few samples or val_fraction too high)")
         masked = sum(r["masked"] for r in results.values())
@@ -165,7 +185,8 @@ def pack(
             "vocab_size": int(len(t2d)),
             "draft_vocab_size": int(draft_vocab_size),
             "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores},
-            "shards": shards,
+            "stores": {s.part: {"samples": len(s), "samples_digest": samples_digest(s)} for s in stores},
+            "splits": {split: {"samples": v[0], "tokens": v[1]} for split, v in stats.items()},
             "val_fraction": val_fraction,
         }
         write_json(tmp / "manifest.json", manifest)
@@ -176,10 +197,13 @@ def pack(
                 "id": sid,
                 "split": "val" if is_val(key, val_fraction) else "train",
                 "digest": by_part[part].index[i]["digest"],
+                "row": i,
+                "length": by_part[part].index[i]["length"],
             }
             for key, part, i, sid in samples
         ]
         pq.write_table(pa.Table.from_pylist(index_rows), tmp / "index.parquet")
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
     return {
         "samples": len(samples),
         "tokens": int(sum(v[1] for v in stats.values())),
@@ -192,6 +216,8 @@ def pack(
         "distinct_masked_tokens": int((counts > 0).sum()),
         "draft_vocab_coverage": round(coverage(counts, t2d), 5),
         "teacher_argmax_in_vocab": round(in_vocab_hits / max(1, masked), 5),
+        "pack_bytes": written,
+        "store_bytes": sum(f.stat().st_size for s in stores for f in s.path.rglob("*") if f.is_file()),
     }
 
 
@@ -199,9 +225,7 @@ def pack(
 _ctx: dict = {}
 
 
-def _worker_init(
-    store_paths: dict, lm_head: torch.Tensor, t2d: np.ndarray, device: str, states: str, tmp: Path
-) -> None:
+def _worker_init(store_paths: dict, lm_head: torch.Tensor, t2d: np.ndarray, device: str, states: str) -> None:
     if mp.parent_process() is not None:  # a worker: one core each, the pool is the parallelism
         torch.set_num_threads(1)
     _ctx.update(
@@ -210,18 +234,18 @@ def _worker_init(
         head=lm_head.to(device=device, dtype=torch.bfloat16),
         device=device,
         states=states,
-        tmp=Path(tmp),
     )
 
 
-def _write_shard(job: tuple) -> dict:
-    """Read (digest-verified), check against the tokenized part, add the teacher's in_vocab, write."""
+def _read_unit(job: tuple) -> dict:
+    """Read (digest-verified), check against the tokenized part, compute the teacher's in_vocab; the
+    unit's token arrays come back, its states stay in the stores."""
     split, n, rows = job
     states, head, t2d = _ctx["states"], _ctx["head"], _ctx["t2d"]
-    arrays = {k: [] for k in packed_arrays(states)}
+    arrays = {k: [] for k in TOKEN_ARRAYS}
     masked = hits = 0
     for _key, part, i, sid, tok_ids, mask in rows:
-        ids, stored = _ctx["stores"][part].read_stored(i)  # kept in the stores' format
+        ids, stored = _ctx["stores"][part].read_stored(i)
         if not np.array_equal(ids, tok_ids):
             raise EaglenestError(f"part {part}: sample {sid!r}: stored token ids differ from the tokenized part")
         with torch.inference_mode():
@@ -230,19 +254,14 @@ def _write_shard(job: tuple) -> dict:
             )
             top = (final.to(_ctx["device"]) @ head.T).argmax(-1).cpu()
         in_vocab = t2d[top].numpy().astype(np.uint8)
-        for k, v in {**stored, "input_ids": ids, "loss_mask": mask, "in_vocab": in_vocab}.items():
+        for k, v in {"input_ids": ids, "loss_mask": mask, "in_vocab": in_vocab}.items():
             arrays[k].append(v)
         masked += int(mask.sum())
         hits += int((in_vocab * mask).sum())
-    d = _ctx["tmp"] / split / f"{n:05d}"
-    d.mkdir()
-    lengths = [len(x) for x in arrays["input_ids"]]
-    for k, v in arrays.items():
-        np.save(d / f"{k}.npy", np.concatenate(v))
-    np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     return {
-        "shard": {"dir": d.name, "samples": len(lengths), "tokens": int(sum(lengths))},
-        "samples": len(lengths),
+        "arrays": {k: np.concatenate(v) for k, v in arrays.items()},
+        "lengths": [len(x) for x in arrays["input_ids"]],
+        "samples": len(rows),
         "masked": masked,
         "in_vocab_hits": hits,
     }

@@ -1,49 +1,101 @@
-"""Read packed training shards (memory-mapped .npy, sequential) and build padded batches. The
-states stay in the stores' format (`state_format`) until the trainer's device decodes them:
-fp8 states cross the host and PCIe at half the bytes."""
+"""Training's view of the data: pack's split, order and token arrays (memory-mapped .npy), and each
+sample's states read from its store (digest-verified on every read), then padded batches. The
+states stay in the stores' format (`state_format`) until the trainer's device decodes them: fp8
+states cross the host and PCIe at half the bytes."""
 
 import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
-from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays
+from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays, samples_digest
 from eaglenest.errors import EaglenestError
 from eaglenest.store import states as state_format
+from eaglenest.store.hidden_store import HiddenStore
+
+
+def open_indexed_store(hidden_dir: Path, part: str, manifest: dict) -> HiddenStore:
+    """The part's store as pack indexed it; else one line naming the part and the command that fixes
+    it (a store deleted, moved, re-extracted or invalidated since pack ran)."""
+    path = Path(hidden_dir) / part
+    fix = f"`dvc checkout {path}` restores the indexed store; `dvc repro` re-extracts and re-packs"
+    try:
+        store = HiddenStore(path)
+    except EaglenestError as e:
+        raise EaglenestError(f"part {part}: its store is gone or unreadable since pack ran ({e}); {fix}") from None
+    want = manifest["stores"][part]
+    if (
+        store.attrs.get("extractor_fingerprint") != manifest["parts"][part]
+        or samples_digest(store) != want["samples_digest"]
+    ):
+        raise EaglenestError(f"part {part}: {path} is not the store pack indexed (its content changed); {fix}")
+    return store
 
 
 class PackedSplit:
-    def __init__(self, root: Path, split: str):
+    def __init__(self, root: Path, split: str, hidden_dir: Path):
         root = Path(root)
         if not (root / "manifest.json").is_file():
             raise EaglenestError(f"{root}: not a packed dataset (run the pack stage)")
         self.manifest = json.loads((root / "manifest.json").read_text())
+        if "stores" not in self.manifest:
+            raise EaglenestError(
+                f"{root}: packed by an older eaglenest (state copies, no store index); `dvc repro pack`"
+            )
         self.states = self.manifest.get("states", "bf16")
         self.names = packed_arrays(self.states)
-        self.shards, self.samples = [], []
-        for s in self.manifest["shards"][split]:
-            d = root / split / s["dir"]
-            arrays = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in (*self.names, "offsets")}
-            off = arrays["offsets"]
-            for j in range(len(off) - 1):
-                self.samples.append((len(self.shards), int(off[j]), int(off[j + 1] - off[j])))
-            self.shards.append(arrays)
+        index = pq.read_table(root / "index.parquet", columns=["part", "split", "row"]).to_pylist()
+        rows = [(r["part"], r["row"]) for r in index if r["split"] == split]
+        self.tokens = {k: np.load(root / split / f"{k}.npy", mmap_mode="r") for k in TOKEN_ARRAYS}
+        off = np.load(root / split / "offsets.npy")
+        if len(off) != len(rows) + 1:
+            raise EaglenestError(f"{root}: {split} has {len(off) - 1} samples of tokens but {len(rows)} indexed")
+        self.samples = [(part, row, int(off[j]), int(off[j + 1] - off[j])) for j, (part, row) in enumerate(rows)]
+        self.hidden_dir = Path(hidden_dir)
+        self.stores = {part: open_indexed_store(hidden_dir, part, self.manifest) for part in self.manifest["parts"]}
+        self._kept, self._keep_bytes = {}, 0  # `keep_in_memory`
+
+    def keep_in_memory(self, budget_bytes: int) -> bool:
+        """Keep every sample's stored arrays once read (read and digest-checked once a run, not once an
+        epoch) if all of them fit `budget_bytes`; whether they do."""
+        A, H = len(self.manifest["taps"]), self.manifest["hidden_size"]
+        need = self.n_tokens * sum(
+            int(np.prod(s)) * d.itemsize for s, d in state_format.arrays(self.states, A, H).values()
+        )
+        self._keep_bytes = need if need <= budget_bytes else 0
+        return bool(self._keep_bytes)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def length(self, i: int) -> int:
-        return self.samples[i][2]
+        return self.samples[i][3]
+
+    def token_arrays(self, i: int) -> dict:
+        """input_ids, loss_mask, in_vocab of sample i (no state read)."""
+        _, _, a, n = self.samples[i]
+        return {k: self.tokens[k][a : a + n] for k in TOKEN_ARRAYS}
 
     def get(self, i: int) -> dict:
-        s, a, n = self.samples[i]
-        return {k: self.shards[s][k][a : a + n] for k in self.names}
+        """Sample i's state arrays as stored (read and digest-checked now) and its token arrays."""
+        stored = self._kept.get(i)
+        if stored is None:
+            part, row, _, _ = self.samples[i]
+            ids, stored = self.stores[part].read_stored(row)
+            if not np.array_equal(ids, self.tokens["input_ids"][self.samples[i][2] : self.samples[i][2] + len(ids)]):
+                raise EaglenestError(
+                    f"part {part}: sample {row} of {self.stores[part].path} is not the one pack indexed"
+                )
+            if self._keep_bytes:
+                self._kept[i] = stored
+        return {**stored, **self.token_arrays(i)}
 
     @property
     def n_tokens(self) -> int:
-        return sum(n for _, _, n in self.samples)
+        return sum(s[3] for s in self.samples)
 
 
 def load_vocab(root: Path) -> dict:

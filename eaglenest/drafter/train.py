@@ -1,5 +1,6 @@
-"""Train an EAGLE-3 drafter on packed shards (docs/design.md: Drafter and training): TTT loss, AdamW, warmup + cosine,
-grad clip, bf16 autocast, exact resume, DDP under torchrun (gloo on CPU, NCCL on CUDA).
+"""Train an EAGLE-3 drafter on pack's split and the stores' states (docs/design.md: Drafter and training):
+TTT loss, AdamW, warmup + cosine, grad clip, bf16 autocast, exact resume, DDP under torchrun (gloo on
+CPU, NCCL on CUDA).
 
 A global step consumes `micro_batches` micro-batches; rank r of W takes every W-th of them, so
 any world size sees the same global batch and — with losses normalised by the global masked-token
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from eaglenest import host_memory
+from eaglenest.data.loader import BatchLoader
 from eaglenest.data.packed import (
     PackedSplit,
     batch_shape,
@@ -47,7 +50,7 @@ def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
     """Masked-token count per TTT step of these samples (same rule as ttt.step_masks)."""
     out = np.zeros(K)
     for i in idx:
-        x = split.get(i)
+        x = split.token_arrays(i)
         lm, iv = np.asarray(x["loss_mask"], np.int64), np.asarray(x["in_vocab"], np.int64)
         for k in range(K):
             out[k] += (lm[2 + k :] * iv[1 + k : len(lm) - 1]).sum()
@@ -55,8 +58,10 @@ def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
 
 
 class Trainer:
-    def __init__(self, packed: Path, target: Target, cfg: TrainConfig, ckpt_dir: Path):
+    def __init__(self, packed: Path, stores: Path, target: Target, cfg: TrainConfig, ckpt_dir: Path):
+        """packed: pack's output; stores: the directory of the parts' stores (data/hidden)."""
         self.cfg, self.ckpt_dir = cfg, Path(ckpt_dir)
+        self.packed, self.stores = Path(packed), Path(stores)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,7 +71,8 @@ class Trainer:
         self.device = torch.device(dev)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.train_split, self.val_split = PackedSplit(packed, "train"), PackedSplit(packed, "val")
+        self.train_split, self.val_split = PackedSplit(packed, "train", stores), PackedSplit(packed, "val", stores)
+        self.loader = BatchLoader(self.packed, self.stores, self.train_split, 0)  # `fit` starts its workers
         man = self.train_split.manifest
         if man["target_fingerprint"] != target.fingerprint:
             raise EaglenestError(
@@ -126,7 +132,7 @@ class Trainer:
         self.key = sha256_text(
             json.dumps(asdict(cfg), sort_keys=True),
             man["target_fingerprint"],
-            json.dumps(man["shards"], sort_keys=True),
+            json.dumps([man["stores"], man["splits"]], sort_keys=True),
             str(self.world),
             training_code_digest(),
         )[:16]
@@ -174,7 +180,11 @@ class Trainer:
         """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's
         global mask counts): `fit` runs it for the next step while the GPU computes this one."""
         denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
-        batches = [self.collate(self.train_split, mb) for mb in micro[self.rank :: self.world]]
+        mine = micro[self.rank :: self.world]
+        shapes = [
+            batch_shape([self.train_split.length(i) for i in mb], self.bucket, self.cfg.batch_tokens) for mb in mine
+        ]
+        batches = [f.result() for f in [self.loader.submit(mb, shape) for mb, shape in zip(mine, shapes)]]
         if self.device.type == "cuda":
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return denom, batches
@@ -241,11 +251,22 @@ class Trainer:
             disable=not progress or self.rank != 0,
         )
         loader = ThreadPoolExecutor(1, thread_name_prefix="batch-loader")  # the next step's batches
+        workers = self.cfg.loader_workers
+        if workers == "auto":  # a GPU must not wait on zarr; on the CPU the step's own cores do it
+            workers = min(8, max(1, (os.cpu_count() or 2) // 4)) if self.device.type == "cuda" else 0
+        self.loader = BatchLoader(self.packed, self.stores, self.train_split, int(workers))
+        if not workers:  # read here: the states once a run if they fit a quarter of the free memory
+            for split in (self.train_split, self.val_split):
+                split.keep_in_memory(host_memory.available() // 4)
+        log.info(
+            "training batches read from the stores by %s", f"{workers} loader processes" if workers else "this process"
+        )
         try:
             with self.checkpoint_on_interrupt():
                 return self._fit(on_epoch, stop_after_steps, bar, loader)
         finally:
             loader.shutdown(wait=True, cancel_futures=True)
+            self.loader.close()
 
     @contextlib.contextmanager
     def checkpoint_on_interrupt(self):

@@ -30,6 +30,7 @@ class TrainConfig:
     attention: str  # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
     compile: str  # auto (on CUDA) | true | false: torch.compile around the attention kernel
     intermediate_size: int | None  # the drafter's MLP width; None = the target's
+    loader_workers: int | str  # processes reading the stores: auto (CUDA: cores/4, max 8; CPU: 0 = in process)
 
     @classmethod
     def from_params(cls, p: dict) -> "TrainConfig":
@@ -40,7 +41,7 @@ class TrainConfig:
         return cls(**{n: p[n] for n in names})
 
 
-# The modules that define the training arithmetic: this package, the packed-shard reader and the state
+# The modules that define the training arithmetic: this package, the packed reader and the state
 # decoding (the train stage's code deps in dvc.yaml: eaglenest/drafter, data/packed.py, store/states.py).
 PACKAGE = Path(__file__).parent
 TRAINING_CODE = (

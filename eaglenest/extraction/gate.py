@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from eaglenest import host_memory
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.layer_stream import CheckpointIndex, LayerStream, causal_lm_config
 from eaglenest.sizes import size
@@ -28,10 +29,9 @@ def free_bytes(device: str) -> int:
     """Memory the reference may take now: the GPU's free memory, or the host's MemAvailable."""
     if device.startswith("cuda"):
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise EaglenestError("validate.reference_memory_gb auto: /proc/meminfo has no MemAvailable; give a number")
+    if not host_memory.available():
+        raise EaglenestError("validate.reference_memory_gb auto: /proc/meminfo has no MemAvailable; give a number")
+    return host_memory.available()
 
 
 def choose_streamed(target: Target, device: str, cfg: dict) -> tuple[bool, str]:
@@ -198,6 +198,16 @@ def is_moe(cfg: dict) -> bool:
     return any(
         (cfg.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     )
+
+
+def thresholds_for(cfg: dict, target_config: dict) -> dict:
+    """The gate's limits from params `validate` (its other keys left out), `token_quantile` resolved
+    for the target and kept only below 1 (a dense target's figures stay as they were)."""
+    th = {k: cfg[k] for k in THRESHOLDS if k in cfg}
+    q = token_quantile(cfg, target_config)
+    if q < 1:
+        th["token_quantile"] = q
+    return th
 
 
 def token_quantile(cfg: dict, target_config: dict) -> float:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from eaglenest.errors import EaglenestError
 from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
-from eaglenest.extraction.gate import THRESHOLDS, choose_streamed, token_quantile
+from eaglenest.extraction.gate import choose_streamed
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized, tokenized_file
 from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
@@ -38,7 +38,7 @@ from eaglenest.store.hidden_store import (
     write_checksums,
     write_index,
 )
-from eaglenest.target import Target, model_config
+from eaglenest.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _extract_part(
         store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
         t_gate = time.time()
-        gate_metrics, passed = _gate(store, reference, validate_cfg, model_config(target))
+        gate_metrics, passed = _gate(store, reference, validate_cfg)
         gate_s = time.time() - t_gate
         stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
         raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
@@ -274,17 +274,12 @@ def gate_samples(cfg: dict | None) -> int:
     return int((cfg or {}).get("samples", 8))
 
 
-def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict,
-          target_config: dict) -> tuple[dict, bool]:  # fmt: skip
-    thresholds = {k: v for k, v in (cfg or {}).items() if k in THRESHOLDS}
-    q = token_quantile(cfg or {}, target_config)
-    if q < 1:  # only then: a dense target's figures stay as they were
-        thresholds["token_quantile"] = q
+def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict) -> tuple[dict, bool]:
     if reference is None:  # validate.samples <= 0: benchmarks of the store path with synthetic states only
         log.warning("validation gate DISABLED (validate.samples: 0): nothing checks these states")
         return {"samples": 0, "disabled": True, "passed": True, "taps": {}}, True
     t = time.time()
-    metrics, passed = reference.compare(store.path, thresholds)
+    metrics, passed = reference.compare(store.path, cfg or {})
     metrics["sample_ids"] = [store.index[i]["id"] for i in reference.chosen]
     metrics["seed"] = int((cfg or {}).get("seed", 0))
     metrics["seconds"] = round(time.time() - t, 2)

@@ -34,6 +34,11 @@ def token_count(path: Path) -> int:
     return int(sum(len(chunk.flatten()) for chunk in col.chunks))
 
 
+def sample_count(path: Path) -> int:
+    """A tokenized part's samples, from the parquet footer."""
+    return pq.ParquetFile(tokenized_file(path)).metadata.num_rows
+
+
 @dataclass(frozen=True)
 class Piece:
     index: int

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from eaglenest.errors import EaglenestError
-from eaglenest.target import Target
+from eaglenest.target import Target, model_config
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class LocalReference:
         t = time.perf_counter()
         ref = Reference(self.target, self.taps, self.device, self.streamed)
         load_s = time.perf_counter() - t
-        metrics, passed = _compare(ref, store, self.chosen, thresholds)
+        metrics, passed = _compare(ref, store, self.chosen, thresholds, model_config(self.target))
         # here the states are taken in the comparison: `seconds_by_step.reference_s`
         metrics.update(reference_load_s=round(load_s, 2), reference_states_s=0.0)
         return metrics, passed
@@ -116,9 +116,10 @@ class ReferenceProcess:
         self.conn.close()
 
 
-def _compare(ref, store: Path, chosen: list[int], thresholds: dict) -> tuple[dict, bool]:
-    """The chosen samples of the complete store against the reference (freed after)."""
-    from eaglenest.extraction.gate import run_gate
+def _compare(ref, store: Path, chosen: list[int], cfg: dict, target_config: dict) -> tuple[dict, bool]:
+    """The chosen samples of the complete store against the reference (freed after), under the limits
+    of params `validate` (`cfg`) for this target."""
+    from eaglenest.extraction.gate import run_gate, thresholds_for
     from eaglenest.store.bf16 import from_bits
     from eaglenest.store.hidden_store import HiddenStore
 
@@ -136,7 +137,7 @@ def _compare(ref, store: Path, chosen: list[int], thresholds: dict) -> tuple[dic
         if ref.model is not None:  # states not taken ahead (the CPU): all together now (streamed: one
             ref.precompute([reads[i].result()[0] for i in chosen])  # read of the weights for all)
             memory = ref.memory()
-        metrics, passed = run_gate(lambda i: reads[i].result(), chosen, ref, thresholds)
+        metrics, passed = run_gate(lambda i: reads[i].result(), chosen, ref, thresholds_for(cfg, target_config))
     if memory is not None:
         metrics["reference"] = memory
     return metrics, passed
@@ -167,6 +168,6 @@ def _serve(job, conn) -> None:
                    "reference": memory})  # fmt: skip
         msg = conn.recv()
         if msg is not None:
-            conn.send({"result": _compare(ref, Path(msg[0]), chosen, msg[1])})
+            conn.send({"result": _compare(ref, Path(msg[0]), chosen, msg[1], model_config(target))})
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
