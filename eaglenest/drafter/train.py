@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -189,13 +190,14 @@ class Trainer:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return denom, batches
 
-    def prefetched(self, steps: list, loader: ThreadPoolExecutor):
-        """(micro, loaded) per step; the next step's `load_step` runs in `loader` meanwhile."""
-        nxt = loader.submit(self.load_step, steps[0]) if steps else None
+    def prefetched(self, steps: list, loader: ThreadPoolExecutor, ahead: int = 1):
+        """(micro, loaded) per step; the next `ahead` steps' `load_step` run in `loader` meanwhile
+        (with loader processes, one a worker: a step's sample can take a core 0.1 s to read)."""
+        pending = deque(loader.submit(self.load_step, m) for m in steps[:ahead])
         for s, micro in enumerate(steps):
-            loaded = nxt.result()
-            if s + 1 < len(steps):
-                nxt = loader.submit(self.load_step, steps[s + 1])
+            loaded = pending.popleft().result()
+            if s + ahead < len(steps):
+                pending.append(loader.submit(self.load_step, steps[s + ahead]))
             yield micro, loaded
 
     def train_step(self, micro: list[list[int]], loaded: tuple | None = None) -> torch.Tensor:
@@ -250,11 +252,12 @@ class Trainer:
             desc="train",
             disable=not progress or self.rank != 0,
         )
-        loader = ThreadPoolExecutor(1, thread_name_prefix="batch-loader")  # the next step's batches
         workers = self.cfg.loader_workers
         if workers == "auto":  # a GPU must not wait on zarr; on the CPU the step's own cores do it
             workers = min(8, max(1, (os.cpu_count() or 2) // 4)) if self.device.type == "cuda" else 0
         self.loader = BatchLoader(self.packed, self.stores, self.train_split, int(workers))
+        self.ahead = max(1, 2 * int(workers))  # steps loading at once: every loader process busy
+        loader = ThreadPoolExecutor(self.ahead, thread_name_prefix="batch-loader")
         if not workers:  # read here: the states once a run if they fit a quarter of the free memory
             for split in (self.train_split, self.val_split):
                 split.keep_in_memory(host_memory.available() // 4)
@@ -301,7 +304,7 @@ class Trainer:
             steps = [batches[i : i + M] for i in range(0, len(batches) - M + 1, M)]
             ep_stats = torch.zeros(self.K, 3, device=self.device)
             first = self.state["step_in_epoch"]
-            for s, (micro, loaded) in enumerate(self.prefetched(steps[first:], loader), start=first):
+            for s, (micro, loaded) in enumerate(self.prefetched(steps[first:], loader, self.ahead), start=first):
                 st = self.train_step(micro, loaded)
                 ep_stats += st
                 tokens += sum(self.train_split.length(i) for mb in micro for i in mb)
