@@ -336,8 +336,8 @@ def test_forced_past_launcher_every_affected_sample_is_caught(smollm2, tmp_path)
         srv.stop()
 
 
-def test_server_killed_mid_extraction_then_dvc_repro_resumes(smollm2, tmp_path):
-    params = tiny_params(parts=("tiny-a",), per_part=24, local_target=True)
+def test_server_killed_mid_extraction_then_dvc_repro_resumes(tmp_path):
+    params = tiny_params(parts=("tiny-a",), per_part=24)  # the built-in target: its path is in the clone
     params["store"].update(chunk_mb=0.05, shard_mb=0.5)
     # one sample a batch and windows of ~10 samples: pieces commit one by one while the server runs
     params["extract"].update(backend="sglang", device="cpu", batch_tokens=256)
