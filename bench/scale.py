@@ -31,7 +31,7 @@ import yaml
 from eaglenest.atomic import write_json
 from eaglenest.disk_plan import for_config
 from eaglenest.extraction.backends.hf import HFBackend
-from eaglenest.extraction.gate import MOE_QUANTILE, THRESHOLDS, Reference, token_stats
+from eaglenest.extraction.gate import MOE_QUANTILE, Reference, token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.plan import read_tokenized
 from eaglenest.extraction.reference_process import LocalReference, choose
@@ -142,7 +142,7 @@ def streamed_reference(target, seqs: list, tmp: Path) -> dict:
                  dtype="bfloat16", revision=0, validate_cfg={"samples": 0}, out_dir=tmp / "hidden" / "dense",
                  layout_cfg=dict(chunk_mb=0.1, shard_mb=4, codec="zstd", level=1), work_root=tmp / "work",
                  batch_tokens=4096, max_seq_len=max(map(len, seqs)), progress=False)  # fmt: skip
-    validate = {k: v for k, v in yaml.safe_load(Path("params.yaml").read_text())["validate"].items() if k in THRESHOLDS}
+    validate = yaml.safe_load(Path("params.yaml").read_text())["validate"]  # `compare` takes the limits from it
     chosen, runs = choose(len(seqs), 8, 0), {}
     for streamed in (False, True):
         t = time.time()
