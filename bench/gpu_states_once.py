@@ -82,7 +82,6 @@ def extract(target, states: str, seqs: list) -> dict:
 def train_new(target, states: str, steps: int, workers: int) -> dict:
     import torch
 
-    from eaglenest.data.loader import BatchLoader
     from eaglenest.data.pack import pack
     from eaglenest.drafter.train import Trainer
     from eaglenest.drafter.train_config import TrainConfig
@@ -98,13 +97,14 @@ def train_new(target, states: str, steps: int, workers: int) -> dict:
         {**_params.load("train"), "ttt_steps": 7, "batch_tokens": T, "micro_batches": 1, "device": "cuda"}
     )
     tr = Trainer(packed, hidden, target, cfg, WS / states / "ckpt")
-    tr.loader = BatchLoader(packed, hidden, tr.train_split, workers)
     plan = [[[i]] for i in range(len(tr.train_split))][: steps + 3]
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        with ThreadPoolExecutor(2 * workers) as loader:  # as `Trainer.fit` runs them
-            for s, (micro, loaded) in enumerate(tr.prefetched(plan, loader, 2 * workers)):
+        ahead = tr.start_loader(workers)
+        pinned = tr.loader.pinned
+        with ThreadPoolExecutor(ahead) as loader:  # as `Trainer.fit` runs them
+            for s, (micro, loaded) in enumerate(tr.prefetched(plan, loader, ahead)):
                 if s == 3:
                     torch.cuda.synchronize()
                     t = time.time()
@@ -112,7 +112,8 @@ def train_new(target, states: str, steps: int, workers: int) -> dict:
         dt = time.time() - t
     finally:
         tr.loader.close()
-    out = {"tok_s": round((len(plan) - 3) * T / dt, 1), "pack_s": round(pack_s, 1), "loader_workers": workers}
+    out = {"tok_s": round((len(plan) - 3) * T / dt, 1), "pack_s": round(pack_s, 1), "loader_workers": workers,
+           "pinned": pinned, "ahead": ahead}  # fmt: skip
     return {**out, "pack_bytes": figures["pack_bytes"], "store_bytes": figures["store_bytes"]}
 
 
@@ -162,8 +163,9 @@ def main() -> None:
         json.loads(old.stdout.strip().splitlines()[-1]) if old.returncode == 0 else {"error": old.stderr[-2000:]}
     )
     print(json.dumps({"npy": res["npy"]}), flush=True)
-    if "tok_s" in res["npy"] and "stores_bf16" in res:
-        res["ratio_bf16_to_npy"] = round(res["stores_bf16"]["tok_s"] / res["npy"]["tok_s"], 3)
+    for states in ("bf16", "fp8"):
+        if "tok_s" in res["npy"] and f"stores_{states}" in res:
+            res[f"ratio_{states}_to_npy"] = round(res[f"stores_{states}"]["tok_s"] / res["npy"]["tok_s"], 3)
     OUT.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
 

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from eaglenest.data.packed import PackedSplit
 from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
 from eaglenest.drafter.model import Eagle3Drafter
+from eaglenest.errors import EaglenestError
 from eaglenest.target import load_model
 
 from .conftest import REPO, build_packed, random_samples, run_py, train_params
@@ -272,22 +274,62 @@ def test_bucketed_batches_have_few_fixed_shapes_and_hold_every_sample_once(tiny_
 
 
 def test_loader_processes_give_the_batches_collated_here(tiny_packed):
-    """train.loader_workers: the stores read in worker processes, the same batches as in this process."""
-    from eaglenest.data.loader import BatchLoader
-    from eaglenest.data.packed import batch_shape, collate, epoch_batches
+    """train.loader_workers: the stores read in worker processes into shared slots, the same batches as
+    in this process; a slot is reused only once released, and a read that fails frees its slot."""
+    from concurrent.futures import TimeoutError as Pending
+
+    from eaglenest.data.loader import BatchLoader, layout_bytes
+    from eaglenest.data.packed import batch_layout, batch_shape, collate, epoch_batches
 
     packed, hidden = tiny_packed / "data/packed", tiny_packed / "data/hidden"
     split = PackedSplit(packed, "train", hidden)
-    loader = BatchLoader(packed, hidden, split, 2)
+    batches = epoch_batches(split, 0, 0, 240)
+    shapes = [batch_shape([split.length(i) for i in b]) for b in batches]
+    size = max(layout_bytes(batch_layout(split, *s)) for s in shapes)
+    loader = BatchLoader(packed, hidden, split, 2, slots=2, slot_bytes=size)
     try:
-        batches = epoch_batches(split, 0, 0, 240)
-        shapes = [batch_shape([split.length(i) for i in b]) for b in batches]
-        futures = [loader.submit(b, s) for b, s in zip(batches, shapes)]
-        for b, s, f in zip(batches, shapes, futures):
-            here, there = collate(split, b, s), f.result()
-            assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+        held = [loader.submit(b, s) for b, s in zip(batches[:2], shapes[:2])]
+        with ThreadPoolExecutor(1) as t:  # both slots held: a third submit waits for a release
+            third = t.submit(loader.submit, batches[2], shapes[2])
+            with pytest.raises(Pending):
+                third.result(timeout=2)
+            for j in range(3):
+                there = (held[j] if j < 2 else third.result()).result()
+                here = collate(split, batches[j], shapes[j])
+                assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+                loader.release(there)
+        with pytest.raises(EaglenestError, match="does not fit a loader slot"):
+            loader.submit(list(range(len(split))), (len(split), max(s[1] for s in shapes)))
+        for b, s in zip(batches[3:], shapes[3:]):  # more batches than slots, each released once compared
+            here, there = collate(split, b, s), loader.submit(b, s).result()
+            assert all(torch.equal(here[k], there[k]) for k in here)
+            loader.release(there)
+        with pytest.raises(IndexError):
+            loader.submit([len(split) + 5], shapes[0]).result()
+        assert loader.free.qsize() == 2
     finally:
         loader.close()
+
+
+def test_training_from_loader_processes_equals_training_in_process(tiny_packed, tmp_path):
+    """The trainer's steps from slot-backed batches (copied off, then their slots handed back, more
+    steps than slots) give the same weights, bit for bit, as batches collated in the process."""
+    from eaglenest.drafter.train import Trainer
+    from eaglenest.drafter.train_config import TrainConfig
+    from eaglenest.target import load_target
+
+    def weights(workers: int) -> dict:
+        cfg = TrainConfig(**train_params(loader_workers=workers, epochs=2))
+        t = Trainer(
+            tiny_packed / "data/packed", tiny_packed / "data/hidden", load_target(tiny_packed / "data/target"), cfg,
+            tmp_path / f"w{workers}",
+        )  # fmt: skip
+        t.fit(progress=False)
+        assert workers == 0 or t.loader.free.qsize() == (t.ahead + 1) * cfg.micro_batches  # all handed back
+        return t.model.state_dict()
+
+    here, there = weights(0), weights(1)
+    assert all(torch.equal(here[k], there[k]) for k in here)
 
 
 def test_a_store_gone_or_changed_since_pack_is_named_with_its_fix(tiny_packed, tmp_path):

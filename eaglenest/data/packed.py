@@ -150,22 +150,36 @@ def batch_shape(lengths: list[int], bucket: int = 0, batch_tokens: int = 0) -> t
     return max(len(lengths), batch_tokens // T), T
 
 
+def batch_layout(split: PackedSplit, rows: int, T: int) -> dict[str, tuple[np.dtype, tuple]]:
+    """name -> (dtype, shape) of a collated [rows, T] batch: the state arrays as stored, then the
+    per-token arrays as int64."""
+    spec = state_format.arrays(split.states, len(split.manifest["taps"]), split.manifest["hidden_size"])
+    out = {k: (d, (rows, T, *s)) for k, (s, d) in spec.items()}
+    return {**out, **{k: (np.dtype(np.int64), (rows, T)) for k in TOKEN_ARRAYS}}
+
+
+def collate_into(split: PackedSplit, idx: list[int], out: dict[str, np.ndarray]) -> None:
+    """Write samples idx right-padded into zeroed arrays of `batch_layout`, a sample at a time."""
+    for b, i in enumerate(idx):
+        x = split.get(i)
+        n = len(x["input_ids"])
+        for k in split.names:
+            out[k][b, :n] = x[k]
+
+
+def as_tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    # torch has no arithmetic on uint16: bf16 bit patterns travel as int16
+    return {k: torch.from_numpy(v.view(np.int16) if v.dtype == np.uint16 else v) for k, v in arrays.items()}
+
+
 def collate(split: PackedSplit, idx: list[int], shape: tuple[int, int] | None = None) -> dict:
     """Right-padded tensors [B, T, ...] (shape: at least (B, T) = (rows, longest); padding rows and
     columns have loss_mask 0): the state arrays as stored (`decode_states` turns them into aux
     [B,T,A,H] / final [B,T,H] bf16), input_ids/loss_mask/in_vocab int64."""
-    items = [split.get(i) for i in idx]
-    B, T = shape or (len(items), max(len(x["input_ids"]) for x in items))
-    out = {
-        k: np.zeros((B, T, *items[0][k].shape[1:]), np.int64 if k in TOKEN_ARRAYS else items[0][k].dtype)
-        for k in split.names
-    }
-    for b, x in enumerate(items):
-        n = len(x["input_ids"])
-        for k in split.names:
-            out[k][b, :n] = x[k]
-    # torch has no arithmetic on uint16: bf16 bit patterns travel as int16
-    return {k: torch.from_numpy(v.view(np.int16) if v.dtype == np.uint16 else v) for k, v in out.items()}
+    B, T = shape or (len(idx), max(split.length(i) for i in idx))
+    out = {k: np.zeros(s, d) for k, (d, s) in batch_layout(split, B, T).items()}
+    collate_into(split, idx, out)
+    return as_tensors(out)
 
 
 def decode_states(batch: dict, states: str) -> dict:

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from eaglenest import host_memory
-from eaglenest.data.loader import BatchLoader
+from eaglenest.data.loader import BatchLoader, SlotBatch, layout_bytes, shared_memory_free
 from eaglenest.data.packed import (
     PackedSplit,
+    batch_layout,
     batch_shape,
     bucket_width,
     collate,
@@ -101,8 +102,8 @@ class Trainer:
         # the flex kernel is compiled for fixed shapes (attention.py): batches of a few fixed
         # shapes, or every new (rows, length) recompiles until torch falls back to the eager
         # kernel (25x slower on short-sample data, measured on an H200)
-        longest = max(s.length(i) for s in (self.train_split, self.val_split) for i in range(len(s)))
-        self.bucket = bucket_width(longest) if attention == "flex" and self.device.type == "cuda" else 0
+        self.longest = max(s.length(i) for s in (self.train_split, self.val_split) for i in range(len(s)))
+        self.bucket = bucket_width(self.longest) if attention == "flex" and self.device.type == "cuda" else 0
         self.embed = FrozenEmbedding(heads["embed"]).to(self.device)
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
@@ -174,7 +175,9 @@ class Trainer:
     def _to_dev(self, b: dict) -> dict:
         # hidden states arrive as stored (bf16 bits or fp8 + scales) and are decoded on the device;
         # master math is fp32 (autocast, when on, picks bf16 kernels)
-        b = decode_states({k: v.to(self.device, non_blocking=True) for k, v in b.items()}, self.train_split.states)
+        on = {k: v.to(self.device, non_blocking=True, copy=isinstance(b, SlotBatch)) for k, v in b.items()}
+        self.loader.release(b)  # a loader slot is free again once these copies are done
+        b = decode_states(on, self.train_split.states)
         return {k: v.float() if v.is_floating_point() else v for k, v in b.items()}
 
     def load_step(self, micro: list[list[int]]) -> tuple[list, list[dict]]:
@@ -186,8 +189,11 @@ class Trainer:
             batch_shape([self.train_split.length(i) for i in mb], self.bucket, self.cfg.batch_tokens) for mb in mine
         ]
         batches = [f.result() for f in [self.loader.submit(mb, shape) for mb, shape in zip(mine, shapes)]]
-        if self.device.type == "cuda":
-            batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+        if self.device.type == "cuda" and not self.loader.pinned:
+            pinned = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+            for b in batches:
+                self.loader.release(b)
+            batches = pinned
         return denom, batches
 
     def prefetched(self, steps: list, loader: ThreadPoolExecutor, ahead: int = 1):
@@ -252,24 +258,45 @@ class Trainer:
             desc="train",
             disable=not progress or self.rank != 0,
         )
-        workers = self.cfg.loader_workers
-        if workers == "auto":  # a GPU must not wait on zarr; on the CPU the step's own cores do it
-            workers = min(8, max(1, (os.cpu_count() or 2) // 4)) if self.device.type == "cuda" else 0
-        self.loader = BatchLoader(self.packed, self.stores, self.train_split, int(workers))
-        self.ahead = max(1, 2 * int(workers))  # steps loading at once: every loader process busy
-        loader = ThreadPoolExecutor(self.ahead, thread_name_prefix="batch-loader")
-        if not workers:  # read here: the states once a run if they fit a quarter of the free memory
+        loader = ThreadPoolExecutor(self.start_loader(self.cfg.loader_workers), thread_name_prefix="batch-loader")
+        if not self.loader.pool:  # read here: the states once a run if they fit a quarter of the free memory
             for split in (self.train_split, self.val_split):
                 split.keep_in_memory(host_memory.available() // 4)
-        log.info(
-            "training batches read from the stores by %s", f"{workers} loader processes" if workers else "this process"
-        )
         try:
             with self.checkpoint_on_interrupt():
                 return self._fit(on_epoch, stop_after_steps, bar, loader)
         finally:
             loader.shutdown(wait=True, cancel_futures=True)
             self.loader.close()
+
+    def start_loader(self, workers: int | str) -> int:
+        """Start `workers` loader processes (auto: on CUDA a quarter of the cores, at most 8; on the CPU
+        none, the step's own cores read) with slots for every micro-batch in flight: this rank's
+        micro-batches of the step that runs and of `self.ahead` steps loading (2 a process), fewer
+        steps ahead where shared memory is short. Returns `self.ahead`."""
+        auto = workers == "auto"
+        if auto:  # a GPU must not wait on zarr
+            workers = min(8, max(1, (os.cpu_count() or 2) // 4)) if self.device.type == "cuda" else 0
+        workers, m = int(workers), self.cfg.micro_batches // self.world
+        longest = -(-self.longest // self.bucket) * self.bucket if self.bucket else self.longest
+        size = layout_bytes(batch_layout(self.train_split, 1, max(self.cfg.batch_tokens, longest))) + 64 * 8
+        budget = min(shared_memory_free(), host_memory.available() // 4)
+        self.ahead = min(2 * workers, budget // (m * size) - 1) if workers else 1
+        if workers and self.ahead < 1:
+            need = f"{2 * m * size / 1e9:.2f} GB of shared memory for {2 * m} batches, {budget / 1e9:.2f} GB usable"
+            if not auto:
+                raise EaglenestError(f"train.loader_workers {workers}: {need}; set it to 0 or free /dev/shm")
+            log.warning("no loader processes: %s", need)
+            workers, self.ahead = 0, 1
+        self.loader = BatchLoader(self.packed, self.stores, self.train_split, workers, (self.ahead + 1) * m, size)
+        log.info(
+            "training batches read from the stores by %s",
+            f"{workers} loader processes, {self.ahead} steps ahead, {(self.ahead + 1) * m} slots of "
+            f"{size / 1e6:.1f} MB{' page-locked' if self.loader.pinned else ''}"
+            if workers
+            else "this process",
+        )
+        return self.ahead
 
     @contextlib.contextmanager
     def checkpoint_on_interrupt(self):
