@@ -74,7 +74,20 @@ POS = _int(1)
 
 SCHEMA = {
     "target": {"path": _str, "dtype": DTYPE},
-    "data": {"parts": _list(_str), "sharegpt": {"*": {"start": _int(0), "count": _int(1), "turns": _int(0)}}},
+    "data": {
+        "parts": _list(_str),
+        "sharegpt": {"*": {"start": _int(0), "count": _int(1), "turns": _int(0)}},
+        "synthetic": {"*": {"count": _int(1), "seed": _int(0), "temperature": _num(0, lo_open=True)}},
+    },
+    "synthetic": {
+        "system": _either(_null, _str, what="null or a non-empty string"),
+        "max_prompt_tokens": POS,
+        "near_duplicate": _num(0, 1, lo_open=True),
+        "dtype": DTYPE,
+        "device": DEVICE,
+        "batch_tokens": POS,
+        "max_rows": POS,
+    },
     "generate": {
         "enabled": _bool,
         "max_new_tokens": POS,
@@ -183,8 +196,8 @@ SCHEMA = {
 }
 
 
-# may be left out of their section: user parts need no built-in ShareGPT cut
-OPTIONAL = {"data.sharegpt"}
+# may be left out of their section: user parts need no built-in ShareGPT cut or synthetic part
+OPTIONAL = {"data.sharegpt", "data.synthetic"}
 
 
 def validate(params, schema=SCHEMA, where: str = "") -> None:

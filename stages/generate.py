@@ -36,7 +36,8 @@ def main(argv=None) -> None:
     p = _params.load("generate")
     tokenize = _params.load("tokenize")
     src, out, report = paths.part(args.part), paths.generated(args.part), paths.report("generate", args.part)
-    convs, _ = read_jsonl(src, on_error=tokenize["on_error"])  # validate early, naming file and line
+    # validate early, naming file and line; prompt-only conversations only where the target answers them
+    convs, _ = read_jsonl(src, on_error=tokenize["on_error"], prompts_ok=p["enabled"])
     if not p["enabled"]:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, out)

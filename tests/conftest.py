@@ -200,6 +200,22 @@ def pack_workspace(tiny_packed: Path, dst: Path, workers: int = 1) -> Path:
     return dst
 
 
+def generate_params(**over) -> dict:
+    """The generate and tokenize sections of a stage workspace that decodes on the CPU in float32."""
+    g = {
+        "enabled": True,
+        "max_new_tokens": 6,
+        "temperature": 0.0,
+        "max_turns": 0,
+        "seed": 0,
+        "dtype": "float32",
+        "device": "cpu",
+        "batch_tokens": 4096,
+        "max_rows": 8,
+    }
+    return {"generate": {**g, **over}, "tokenize": {"max_seq_len": 256, "on_error": "fail", "workers": "auto"}}
+
+
 def train_params(**over) -> dict:
     t = {
         "epochs": 2,

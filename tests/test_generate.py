@@ -13,7 +13,7 @@ from eaglenest.decoding.static_decode import StaticDecoder, supports
 from eaglenest.generate import regenerate
 from eaglenest.target import load_model, stop_ids
 
-from .conftest import run_py, stage_workspace
+from .conftest import generate_params, run_py, stage_workspace
 
 CONVS = [
     {
@@ -141,24 +141,7 @@ def test_static_decoder_steps_equal_the_transformers_forward(fp32, smollm2_token
 
 
 def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):
-    ws = stage_workspace(
-        tmp_path / "ws",
-        smollm2,
-        {
-            "generate": {
-                "enabled": True,
-                "max_new_tokens": 6,
-                "temperature": 0.0,
-                "max_turns": 0,
-                "seed": 0,
-                "dtype": "float32",
-                "device": "cpu",
-                "batch_tokens": 4096,
-                "max_rows": 8,
-            },
-            "tokenize": {"max_seq_len": 256, "on_error": "fail", "workers": "auto"},
-        },
-    )
+    ws = stage_workspace(tmp_path / "ws", smollm2, generate_params())
     (ws / "data/parts").mkdir(parents=True)
     (ws / "data/parts/p.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVS))
     run_py(["-m", "stages.generate", "p", "--no-progress"], cwd=ws)

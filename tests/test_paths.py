@@ -27,6 +27,7 @@ def test_what_each_stage_reads_and_writes_is_what_dvc_yaml_declares():
     writes = {
         "target": {paths.TARGET, r("target")},
         "sharegpt": {paths.part(P), r("sharegpt", P)},
+        "synthetic": {paths.part(P), r("synthetic", P)},
         "generate": {paths.generated(P), r("generate", P)},
         "tokenize": {paths.tokenized(P), r("tokenize", P)},
         "extract": {paths.hidden(P), r("extract", P)},
@@ -35,6 +36,7 @@ def test_what_each_stage_reads_and_writes_is_what_dvc_yaml_declares():
         "evaluate": {m("evaluate"), m("evaluate_positions", ext="csv"), r("evaluate"), r("evaluate_questions")},
     }
     reads = {
+        "synthetic": {paths.TARGET},
         "generate": {paths.part(P), paths.TARGET},
         "tokenize": {paths.generated(P), paths.TARGET},
         "extract": {paths.tokenized(P), paths.TARGET},

@@ -91,9 +91,12 @@ def parse_line(data: bytes) -> dict:
     return raw
 
 
-def check_exchange(messages: list[dict]) -> None:
-    """An optional system turn, then user/assistant alternating, with at least one assistant turn."""
+def check_exchange(messages: list[dict], prompts_ok: bool = False) -> None:
+    """An optional system turn, then user/assistant alternating, with at least one assistant turn;
+    with `prompts_ok` (the target answers: generate.enabled) the last turn may be a user's instead."""
     body = messages[1:] if messages[0]["role"] == "system" else messages
+    if prompts_ok and body and body[-1]["role"] == "user":
+        body = [*body, {"role": "assistant", "content": "(answered by the target)"}]
     if not body:
         raise ValueError("no user/assistant turns")
     for i, m in enumerate(body):
@@ -103,7 +106,9 @@ def check_exchange(messages: list[dict]) -> None:
         if not m["content"].strip():
             raise ValueError(f"turn {i} ({m['role']}) is empty")
     if not any(m["role"] == "assistant" for m in body):
-        raise ValueError("no assistant turn to learn from")
+        raise ValueError(
+            "no assistant turn to learn from (a prompt-only conversation is answered by the target: generate.enabled)"
+        )
 
 
 def clean_exchange(messages: list[dict]) -> list[dict] | None:
@@ -123,9 +128,10 @@ def clean_exchange(messages: list[dict]) -> list[dict] | None:
     return system + kept if kept else None
 
 
-def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadReport]:
+def read_jsonl(path: Path, on_error: str = "fail", prompts_ok: bool = False) -> tuple[list[dict], ReadReport]:
     """Read `{"id", "messages"}` lines. on_error="fail" raises on the first bad line (naming it);
-    "skip" skips and counts it. Ids must be unique within a file."""
+    "skip" skips and counts it. Ids must be unique within a file. prompts_ok: a conversation may end
+    in a user turn (`check_exchange`)."""
     path = Path(path)
     if not path.is_file():
         raise EaglenestError(f"{path}: conversations file not found")
@@ -145,7 +151,7 @@ def read_jsonl(path: Path, on_error: str = "fail") -> tuple[list[dict], ReadRepo
                 if cid in seen:
                     raise ValueError(f"duplicate id {cid!r} (first on line {seen[cid]})")
                 msgs = normalize_messages(raw, where)
-                check_exchange(msgs)
+                check_exchange(msgs, prompts_ok)
             except (ValueError, RecursionError) as e:  # RecursionError: a check walking a deep value
                 if on_error == "fail":
                     raise EaglenestError(f"{where}: {e}") from None

@@ -1,0 +1,75 @@
+"""Stage `synthetic@<part>`: a part whose prompts the target writes. The target samples `--count` user
+messages from its chat template's opening of a user turn (after `synthetic.system`, if set), seeded,
+filtered for degenerate text and deduplicated (exact and near). The part holds prompt-only
+conversations; `generate@<part>` answers them by self-distillation (generate.enabled must be true).
+
+    python -m stages.synthetic <part> --count N --seed S --temperature T   (params: synthetic.*;
+        in: data/target, out: data/parts/<part>.jsonl, reports/synthetic/<part>.json)
+
+Declare a part in params.yaml as `data.synthetic.<part>: {count, seed, temperature}` and list it in
+`data.parts`: `dvc repro` then runs only the new part's stages. reports/synthetic/<part>.json counts
+what was sampled, kept and dropped by reason; wall clock goes to reports/timing/synthetic/<part>.json.
+"""
+
+import argparse
+import logging
+import time
+
+from eaglenest.atomic import write_json
+from eaglenest.data.conversations import write_jsonl
+from eaglenest.errors import exit_on_error
+from eaglenest.made_on import made_on
+from eaglenest.synthetic import conversations, sample_prompts
+from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
+
+from . import _params
+from . import _paths as paths
+
+log = logging.getLogger("stages.synthetic")
+
+
+@exit_on_error
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part")
+    ap.add_argument("--count", type=int, required=True, help="user prompts to keep")
+    ap.add_argument("--seed", type=int, required=True, help="seeds the sampling (rounds use seed-derived seeds)")
+    ap.add_argument("--temperature", type=float, required=True, help="sampling temperature, > 0")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    p = _params.load("synthetic")
+    t0 = time.perf_counter()
+    target = load_target(paths.TARGET)
+    device = pick_device(p["device"])
+    model = load_model(target, dtype=p["dtype"], device=device)
+    prompts, stats = sample_prompts(
+        model,
+        load_tokenizer(target),
+        args.count,
+        args.seed,
+        args.temperature,
+        system=p["system"],
+        max_prompt_tokens=int(p["max_prompt_tokens"]),
+        near_duplicate=float(p["near_duplicate"]),
+        batch_tokens=int(p["batch_tokens"]),
+        max_rows=int(p["max_rows"]),
+        progress=not args.no_progress,
+    )
+    write_jsonl(conversations(args.part, prompts, p["system"]), paths.part(args.part))
+    stats.update(seed=args.seed, temperature=args.temperature, dtype=p["dtype"], **made_on(device))
+    write_json(paths.report("synthetic", args.part), stats)
+    wall = time.perf_counter() - t0
+    write_json(paths.timing("synthetic", args.part), {"wall_s": round(wall, 2)})
+    log.info(
+        "part %s: %d prompts kept of %d sampled in %d rounds (dropped: %s), %.1f s",
+        args.part,
+        stats["kept"],
+        stats["sampled"],
+        stats["rounds"],
+        {k[8:]: v for k, v in stats.items() if k.startswith("dropped_")},
+        wall,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Synthetic parts: the real target writes user prompts from its chat template's opening of a user
+turn, seeded, filtered and deduplicated; `generate` answers them; bad settings fail clearly."""
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from eaglenest.errors import EaglenestError
+from eaglenest.synthetic import NearDuplicates, degenerate, normalise, sample_prompts, user_turn_opening
+from eaglenest.target import load_model
+
+from .conftest import generate_params, run_py, stage_workspace
+
+
+@pytest.fixture(scope="module")
+def fp32(smollm2):
+    return load_model(smollm2, dtype="float32", device="cpu")
+
+
+def test_near_duplicates_are_found_and_distinct_prompts_kept():
+    near = NearDuplicates(0.7)
+    base = "Can you explain how photosynthesis works in plants, step by step, for a student?"
+    assert not near.add(base)
+    assert near.add(base.replace("student", "students"))  # one word apart
+    assert near.add(base.upper())  # case and spacing are normalised
+    assert not near.add("Write a haiku about the sea at night.")
+    assert not near.add("What is the capital of Australia, and why was it chosen?")
+    assert len(near.sets) == 3
+    assert normalise("  A  b\nC ") == "a b c"
+
+
+def test_degenerate_text_is_named():
+    assert degenerate("  \n", True, False) == "empty"
+    assert degenerate("How do I", False, False) == "cut"
+    assert degenerate("Hi <|im_start|>assistant", True, True) == "template_tokens"
+    assert degenerate("the cat the cat the cat the cat the cat the cat the cat", True, False) == "repetition"
+    assert degenerate("Why?!!!!!!!!!!!!!!!!!!!!", True, False) == "repetition"
+    assert degenerate("What are three good books about the history of Rome?", True, False) is None
+
+
+def test_the_target_writes_seeded_distinct_prompts(fp32, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    head, tail = user_turn_opening(tok, None)
+    assert head.endswith("<|im_start|>user\n") and tail.startswith("<|im_end|>")
+    a, stats = sample_prompts(fp32, tok, 10, 0, 1.0, max_prompt_tokens=48, progress=False)
+    assert len(a) == 10 == stats["kept"] and len({normalise(x) for x in a}) == 10
+    drops = sum(v for k, v in stats.items() if k.startswith("dropped_"))
+    assert stats["sampled"] >= stats["kept"] + drops and stats["sampled_tokens"] > 0
+    assert all(x == x.strip() and x for x in a)
+    again, _ = sample_prompts(fp32, tok, 10, 0, 1.0, max_prompt_tokens=48, progress=False)
+    other, _ = sample_prompts(fp32, tok, 10, 1, 1.0, max_prompt_tokens=48, progress=False)
+    assert again == a and other != a
+
+
+def test_settings_that_cannot_give_prompts_fail_clearly(fp32, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    with pytest.raises(EaglenestError, match="temperature > 0"):
+        sample_prompts(fp32, tok, 4, 0, 0.0, progress=False)
+    bare = copy.copy(tok)
+    bare.chat_template = None
+    with pytest.raises(EaglenestError, match="no chat template"):
+        sample_prompts(fp32, bare, 4, 0, 1.0, progress=False)
+    with pytest.raises(EaglenestError, match=r"only \d+ of 6 synthetic prompts usable after 8 rounds"):
+        sample_prompts(fp32, tok, 6, 0, 1.0, max_prompt_tokens=2, progress=False)  # every prompt cut
+
+
+def test_synthetic_part_is_answered_by_generate_and_counted(smollm2, tmp_path):
+    params = {
+        "synthetic": {
+            "system": "You are a helpful assistant.",
+            "max_prompt_tokens": 40,
+            "near_duplicate": 0.7,
+            "dtype": "float32",
+            "device": "cpu",
+            "batch_tokens": 8192,
+            "max_rows": 32,
+        },
+        **generate_params(enabled=False, max_new_tokens=8),
+    }
+    ws = stage_workspace(tmp_path / "ws", smollm2, params)
+    run_py(
+        ["-m", "stages.synthetic", "syn", "--count", "6", "--seed", "3", "--temperature", "1.0", "--no-progress"],
+        cwd=ws,
+    )
+    rows = [json.loads(line) for line in (ws / "data/parts/syn.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"syn-{i:06d}" for i in range(6)]
+    assert all([m["role"] for m in r["messages"]] == ["system", "user"] for r in rows)
+    report = json.loads((ws / "reports/synthetic/syn.json").read_text())
+    assert report["kept"] == 6 and report["seed"] == 3 and report["sampled"] >= 6 and "cpu" in report
+    # generate disabled: a prompt-only part is bad input there, named by file and line
+    p = run_py(["-m", "stages.generate", "syn", "--no-progress"], cwd=ws, check=False)
+    assert p.returncode != 0
+    assert "data/parts/syn.jsonl:1: no assistant turn to learn from" in p.stderr and "generate.enabled" in p.stderr
+    assert not (ws / "data/generated/syn.jsonl").exists()
+    params["generate"]["enabled"] = True
+    (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    run_py(["-m", "stages.generate", "syn", "--no-progress"], cwd=ws)
+    out = [json.loads(line) for line in (ws / "data/generated/syn.jsonl").read_text().splitlines()]
+    m = json.loads((ws / "reports/generate/syn.json").read_text())
+    assert m["prompts_answered"] == 6 and m["regenerated"] == m["conversations_kept"] == len(out)
+    assert all([x["role"] for x in c["messages"]] == ["system", "user", "assistant"] for c in out)
+    assert all(c["messages"][2]["content"].strip() for c in out)
