@@ -10,6 +10,7 @@ eaglenest plan                      bytes of every part's store, pack and the DV
 eaglenest plan --config C --tokens N  the same for a target known only by its config.json
 eaglenest profile                   list the params profiles (profiles/*.yaml)
 eaglenest profile NAME [--dry-run]  write profile NAME's keys into params.yaml
+eaglenest serve-flags               SGLang's and vLLM's flags for the fastest chain and tree evaluate measured
 
 A path that is missing, empty or of the wrong kind fails the command (exit 2), naming it.
 """
@@ -213,6 +214,16 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_serve_flags(args) -> int:
+    from eaglenest.serve_flags import flags, read_timing
+
+    timing = read_timing(args.timing)
+    print(f"# from {args.timing} (batch 1 on the device evaluate ran on)")
+    for what, cmd in flags(timing, args.target, args.drafter):
+        print(f"# {what}\n{cmd}")
+    return 0
+
+
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
@@ -260,6 +271,16 @@ def main(argv=None) -> None:
     pr.add_argument("--params", default="params.yaml")
     pr.add_argument("--dir", default="profiles")
     pr.set_defaults(fn=cmd_profile)
+    sf = sub.add_parser(
+        "serve-flags",
+        help="SGLang's and vLLM's flags for the chain and tree that evaluate found fastest",
+        description="Reads the evaluate stage's timing (best_k, best_tree: the fastest at batch 1 on the "
+        "device evaluate ran on) and prints the serving command lines for the exported drafter.",
+    )
+    sf.add_argument("--timing", default="reports/timing/evaluate.json")
+    sf.add_argument("--target", default="data/target/model", help="the target model path to serve")
+    sf.add_argument("--drafter", default="data/drafter")
+    sf.set_defaults(fn=cmd_serve_flags)
     args = ap.parse_args(argv)
     sys.exit(args.fn(args))
 

@@ -1,10 +1,11 @@
 """Evaluate a drafter by speculative decoding against plain greedy decoding of the target: for each
-chain length k, mean acceptance length tau (bonus token counted, plain = 1.0), acceptance per draft
-position, the lossless check (output == greedy output), and the decoding speedup at batch 1.
+chain length k and each draft tree (`decoding.tree`), mean acceptance length tau (bonus token
+counted, plain = 1.0), acceptance per draft position (a tree's: per depth), the lossless check
+(output == greedy output), and the decoding speedup at batch 1, with the fastest chain and tree.
 
 batch_size 1 decodes question by question (each timed); batch_size > 1 decodes that many
 questions at once (`batched_speculative`) and times batch-1 decoding on the first
-`speed_questions` only."""
+`speed_questions` only; trees always decode at batch 1."""
 
 import json
 import logging
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from eaglenest.decoding import batched_speculative
 from eaglenest.decoding.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
+from eaglenest.decoding.tree import TreeShape, tree_decode
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.errors import EaglenestError
 from eaglenest.made_on import made_on
@@ -48,6 +50,22 @@ def prompt_ids(tok, prompts: list[dict]) -> list[list[int]]:
         )
         ids.append(list(x["input_ids"] if isinstance(x, dict) else x))
     return ids
+
+
+def mode_key(mode: int | TreeShape) -> str:
+    """A decoding mode's key in the figures: the chain length ("3") or the tree's name ("tree-5x4x8")."""
+    return mode.name if isinstance(mode, TreeShape) else str(mode)
+
+
+def depth(mode: int | TreeShape) -> int:
+    """Draft steps a round runs: the chain length, or the tree's depth."""
+    return mode.steps if isinstance(mode, TreeShape) else mode
+
+
+def spec_decode(runner, drafter, embed, x: list[int], max_new: int, eos: set, mode: int | TreeShape) -> Decoded:
+    if isinstance(mode, TreeShape):
+        return tree_decode(runner, drafter, embed, x, max_new, eos, mode)
+    return speculative_decode(runner, drafter, embed, x, max_new, eos, mode)
 
 
 def acceptance(accepted: list[int], k: int) -> dict:
@@ -85,6 +103,7 @@ def evaluate(
     batch_size: int = 1,
     speed_questions: int | None = None,
     progress: bool = True,
+    trees: list[TreeShape] = (),
 ) -> tuple[dict, dict, list[dict]]:
     device = pick_device(device)
     if device.startswith("cuda"):
@@ -98,8 +117,8 @@ def evaluate(
     eos = stop_ids(model, tok) | {tok.eos_token_id}
     ids = prompt_ids(tok, prompts)
 
-    # outputs per question: plain greedy, and per k the speculative tokens and accepted drafts
-    timed = ids[:speed_questions]
+    # outputs per question: plain greedy, and per mode (k or tree) the speculative tokens and accepted drafts
+    timed, modes = ids[:speed_questions], [*ks, *trees]
     if batch_size > 1:
 
         def run(k):
@@ -117,16 +136,23 @@ def evaluate(
 
         plain = [r.out for r in run(0)]
         spec = {k: [(r.out, r.accepted) for r in run(k)] for k in ks}
-        clock = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, ks)
+        runner = TargetRunner(model, taps)
+        for t in trees:
+            runs = [
+                tree_decode(runner, drafter, embed, x, max_new_tokens, eos, t)
+                for x in tqdm(ids, desc=t.name, disable=not progress)
+            ]
+            spec[t] = [(d.tokens, d.accepted) for d in runs]
+        clock = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, modes)
     else:
         runner = TargetRunner(model, taps)
-        plain, spec, clock = [], {k: [] for k in ks}, Clock(ks)
+        plain, spec, clock = [], {m: [] for m in modes}, Clock(modes)
         for i, x in enumerate(tqdm(ids, desc="evaluate", unit="q", disable=not progress)):
             runs = {None: greedy_decode(runner, x, max_new_tokens, eos)}
-            runs.update({k: speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k) for k in ks})
+            runs.update({m: spec_decode(runner, drafter, embed, x, max_new_tokens, eos, m) for m in modes})
             plain.append(runs[None].tokens)
-            for k in ks:
-                spec[k].append((runs[k].tokens, runs[k].accepted))
+            for m in modes:
+                spec[m].append((runs[m].tokens, runs[m].accepted))
             if i < len(timed):
                 for k, d in runs.items():
                     clock.add(k, d)
@@ -134,6 +160,7 @@ def evaluate(
     metrics = {
         "questions": len(prompts),
         "k": list(ks),
+        "trees": [t.name for t in trees],
         "temperature": 0.0,
         "max_new_tokens": max_new_tokens,
         "target_dtype": dtype,
@@ -148,20 +175,21 @@ def evaluate(
         **made_on(device),
     }
     per_q = [{"id": p["id"], "category": p["category"], "tokens": len(g)} for p, g in zip(prompts, plain)]
-    for k in ks:
-        a = acceptance([x for _, acc in spec[k] for x in acc], k)
-        same = [toks == g for (toks, _), g in zip(spec[k], plain)]
-        key = str(k)
+    for m in modes:
+        a = acceptance([x for _, acc in spec[m] for x in acc], depth(m))
+        same = [toks == g for (toks, _), g in zip(spec[m], plain)]
+        key = mode_key(m)
         metrics["tau"][key], metrics["accept_rate_per_position"][key] = a["tau"], a["per_position"]
         metrics["verifications"][key] = a["verifications"]
         metrics["identical_to_greedy"][key], metrics["mismatches"][key] = sum(same), len(same) - sum(same)
-        for q, ok, (_, acc) in zip(per_q, same, spec[k]):
-            q[f"identical_k{k}"] = ok
-            q[f"tau_k{k}"] = float(np.mean([x + 1 for x in acc])) if acc else None
+        qkey = key if isinstance(m, TreeShape) else f"k{m}"
+        for q, ok, (_, acc) in zip(per_q, same, spec[m]):
+            q[f"identical_{qkey}"] = ok
+            q[f"tau_{qkey}"] = float(np.mean([x + 1 for x in acc])) if acc else None
         if len(same) > sum(same):
             log.warning(
-                "k=%d: %d of %d outputs differ from plain greedy decoding: %s",
-                k,
+                "%s: %d of %d outputs differ from plain greedy decoding: %s",
+                qkey,
                 len(same) - sum(same),
                 len(same),
                 [q["id"] for q, ok in zip(per_q, same) if not ok],
@@ -170,18 +198,19 @@ def evaluate(
 
 
 class Clock:
-    """Batch-1 decoding time per mode (None = plain greedy, else k), and the speed figures: tokens/s,
+    """Batch-1 decoding time per mode (None = plain greedy, else k or a tree), and the speed figures: tokens/s,
     the speedup, and why. Past the prompt's forward, plain decoding costs one target step a token, and
     speculative decoding one round per verification: k draft steps, then one target forward of k + 1
-    tokens. A round yields tau tokens on average, so it pays off from tau = round / target step (the
-    break-even tau; speedup ~ tau / break-even tau, up to the prompt's forward and the last round)."""
+    tokens (a tree: its depth in draft steps, one forward of its nodes). A round yields tau tokens on
+    average, so it pays off from tau = round / target step (the break-even tau; speedup ~ tau /
+    break-even tau, up to the prompt's forward and the last round)."""
 
-    def __init__(self, ks: list[int]):
-        self.ks = list(ks)
-        modes = [None, *ks]
-        self.tokens, self.seconds, self.prefill = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0), {}
-        self.prompts = dict.fromkeys(modes, 0)
-        self.draft_seconds, self.rounds = dict.fromkeys(ks, 0.0), dict.fromkeys(ks, 0)
+    def __init__(self, modes: list):
+        self.ks = list(modes)
+        every = [None, *modes]
+        self.tokens, self.seconds, self.prefill = dict.fromkeys(every, 0), dict.fromkeys(every, 0.0), {}
+        self.prompts = dict.fromkeys(every, 0)
+        self.draft_seconds, self.rounds = dict.fromkeys(modes, 0.0), dict.fromkeys(modes, 0)
 
     def add(self, k: int | None, d: Decoded, seconds: float | None = None) -> None:
         self.tokens[k] += len(d.tokens)
@@ -202,28 +231,31 @@ class Clock:
             "target_step_ms": round(1000 * step, 2),
             "prefill_ms": round(1000 * self.prefill[None] / self.prompts[None], 2),
             "k": {},
+            "tree": {},
         }
         for k in self.ks:
             if not self.rounds[k]:
                 continue
             rnd = (self.seconds[k] - self.prefill[k]) / self.rounds[k]
             drafting = self.draft_seconds[k] / self.rounds[k]
-            out["k"][str(k)] = {
+            out["tree" if isinstance(k, TreeShape) else "k"][mode_key(k)] = {
                 "tokens_per_s": round(self.tokens[k] / self.seconds[k], 2),
                 "speedup": round(self.tokens[k] / self.seconds[k] * self.seconds[None] / self.tokens[None], 3),
-                "tau": round(tau.get(str(k), float("nan")), 4),
+                "tau": round(tau.get(mode_key(k), float("nan")), 4),
                 "round_ms": round(1000 * rnd, 2),
-                "draft_step_ms": round(1000 * drafting / k, 2),
+                "draft_step_ms": round(1000 * drafting / depth(k), 2),
                 "verify_ms": round(1000 * (rnd - drafting), 2),
                 "break_even_tau": round(rnd / step, 3),
             }
-        if out["k"]:
+        if out["k"]:  # the fastest chain and tree on this hardware: what to serve with (README)
             out["best_k"] = int(max(out["k"], key=lambda k: out["k"][k]["speedup"]))
+        if out["tree"]:
+            out["best_tree"] = max(out["tree"], key=lambda t: out["tree"][t]["speedup"])
         return out
 
 
 def decode_speed(
-    model, taps, drafter, embed, prompts: list[list[int]], max_new_tokens: int, eos: set, ks: list[int]
+    model, taps, drafter, embed, prompts: list[list[int]], max_new_tokens: int, eos: set, modes: list
 ) -> Clock:
     """Batch-1 plain greedy and speculative decoding (per k) over the same prompts, the modes
     interleaved question by question: batch-1 decoding is launch-bound, so the host's state (clocks,
@@ -231,15 +263,16 @@ def decode_speed(
     runner = TargetRunner(model, taps)
     if prompts:  # warm-up: first calls pay allocator and kernel selection
         greedy_decode(runner, prompts[0], 4, eos)
-        speculative_decode(runner, drafter, embed, prompts[0], 4, eos, ks[0])
-    clock = Clock(ks)
+        for m in modes:
+            spec_decode(runner, drafter, embed, prompts[0], 4, eos, m)
+    clock = Clock(modes)
     for x in prompts:
-        for k in [None, *ks]:
+        for m in [None, *modes]:
             t0 = time.perf_counter()
             d = (
                 greedy_decode(runner, x, max_new_tokens, eos)
-                if k is None
-                else speculative_decode(runner, drafter, embed, x, max_new_tokens, eos, k)
+                if m is None
+                else spec_decode(runner, drafter, embed, x, max_new_tokens, eos, m)
             )
-            clock.add(k, d, time.perf_counter() - t0)
+            clock.add(m, d, time.perf_counter() - t0)
     return clock

@@ -186,6 +186,7 @@ SCHEMA = {
     "evaluate": {
         "questions": POS,
         "k": _either(POS, _list(POS), what="an integer >= 1 or a list of them"),
+        "trees": _list(_list(POS, 3, 3), min_len=0),
         "max_new_tokens": POS,
         "dtype": DTYPE,
         "device": DEVICE,

@@ -1,9 +1,11 @@
 """Stage `evaluate`: speculative decoding on the MT-bench first turns with the target and
-data/drafter, for each chain length in evaluate.k; compares to plain greedy decoding (must be
-identical) and measures acceptance and the batch-1 decoding speedup.
+data/drafter, for each chain length in evaluate.k and each draft tree in evaluate.trees
+([steps, topk, tokens]: SGLang's --speculative-num-steps, --speculative-eagle-topk,
+--speculative-num-draft-tokens); compares to plain greedy decoding (must be identical) and measures
+acceptance and the batch-1 decoding speedup, naming the fastest chain and tree (best_k, best_tree).
 
     python -m stages.evaluate
-    params: evaluate.questions, k (an int or a list), max_new_tokens, dtype, device, batch_size
+    params: evaluate.questions, k (an int or a list), trees, max_new_tokens, dtype, device, batch_size
             (questions decoded at once; >1 on a GPU), speed_questions (timed at batch 1; null = all),
             min_tau (the quality gate)
 Writes metrics/evaluate.json (tau per k, lossless, what it ran on: `dvc metrics show`),
@@ -23,6 +25,7 @@ import logging
 from pathlib import Path
 
 from eaglenest.atomic import write_json
+from eaglenest.decoding.tree import TreeShape
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.evaluate import evaluate, mtbench_prompts
 from eaglenest.made_on import made_on
@@ -44,6 +47,13 @@ def main(argv=None) -> None:
     ks = [int(k) for k in (p["k"] if isinstance(p["k"], list) else [p["k"]])]
     if not ks or min(ks) < 1:
         raise EaglenestError(f"evaluate.k must be a chain length >= 1 or a list of them, got {p['k']!r}")
+    try:
+        trees = [TreeShape(*t) for t in p["trees"]]
+    except ValueError as e:
+        raise EaglenestError(f"evaluate.trees: {e}") from None
+    for t in trees:  # depth 1 drafts topk nodes, every later step topk x topk
+        if t.tokens - 1 > t.topk + (t.steps - 1) * t.topk**2:
+            raise EaglenestError(f"evaluate.trees: {t.name} verifies more tokens than its steps and topk draft")
     min_tau = p["min_tau"]
     metrics, timing, per_q = evaluate(
         load_target(paths.TARGET),
@@ -56,6 +66,7 @@ def main(argv=None) -> None:
         batch_size=int(p["batch_size"]),
         speed_questions=p["speed_questions"],
         progress=not args.no_progress,
+        trees=trees,
     )
     low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}
     metrics["min_tau"], metrics["gate_passed"] = min_tau, not low
@@ -77,6 +88,14 @@ def main(argv=None) -> None:
             k, t["tau"], t["speedup"], t["round_ms"], k, t["draft_step_ms"], t["verify_ms"],
             timing["target_step_ms"], t["break_even_tau"],
         )  # fmt: skip
+    for name, t in timing.get("tree", {}).items():
+        log.info("%s: tau %.3f, speedup %.2fx at batch 1 (a round %.1f ms, break-even tau %.2f)",
+                 name, t["tau"], t["speedup"], t["round_ms"], t["break_even_tau"])  # fmt: skip
+    if "best_k" in timing:
+        best = f"chain k={timing['best_k']}"
+        if "best_tree" in timing:
+            best += f", tree {timing['best_tree']}"
+        log.info("fastest at batch 1 on this device: %s (README: serving flags)", best)
     if low:
         raise EaglenestError(
             f"quality gate: tau {', '.join(f'{t:.3f} at k={k}' for k, t in low.items())} below "

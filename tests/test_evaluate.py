@@ -133,6 +133,7 @@ def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_
             "evaluate": {
                 "questions": 3,
                 "k": [2, 3],
+                "trees": [[2, 2, 4]],
                 "max_new_tokens": 8,
                 "dtype": "float32",
                 "device": "cpu",
@@ -150,16 +151,33 @@ def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_
     p = run_py(["-m", "stages.evaluate", "--no-progress"], cwd=ws, check=False)
     assert p.returncode == 2 and "below evaluate.min_tau 1.5" in p.stderr
     m = json.loads((ws / "reports/evaluate.json").read_text())
-    assert m["gate_passed"] is False and set(m["tau"]) == {"2", "3"} and m["questions"] == 3
-    assert all(1.0 <= t < 1.5 for t in m["tau"].values()) and m["identical_to_greedy"] == {"2": 3, "3": 3}
+    assert m["gate_passed"] is False and set(m["tau"]) == {"2", "3", "tree-2x2x4"} and m["questions"] == 3
+    assert all(1.0 <= t < 1.5 for t in m["tau"].values())
+    assert m["identical_to_greedy"] == {"2": 3, "3": 3, "tree-2x2x4": 3} and m["trees"] == ["tree-2x2x4"]
     headline = json.loads((ws / "metrics/evaluate.json").read_text())
     assert headline["tau"] == m["tau"] and headline["lossless"] is True and headline["cpu"] == m["cpu"]
     # the break-even analysis: a round = its draft steps + a verification, against a target step
     t = json.loads((ws / "reports/timing/evaluate.json").read_text())
     assert m["speed_questions"] == 1 and t["target_step_ms"] > 0 and t["best_k"] in (2, 3)
-    for k, f in t["k"].items():
+    assert t["best_tree"] == "tree-2x2x4" and set(t["tree"]) == {"tree-2x2x4"}
+    for k, f in [*t["k"].items(), *t["tree"].items()]:
+        steps = 2 if k.startswith("tree") else int(k)
         assert f["speedup"] > 0 and f["draft_step_ms"] > 0 and f["verify_ms"] > 0, (k, f)
-        assert abs(f["round_ms"] - int(k) * f["draft_step_ms"] - f["verify_ms"]) < 0.05
+        assert abs(f["round_ms"] - steps * f["draft_step_ms"] - f["verify_ms"]) < 0.05
         assert abs(f["break_even_tau"] - f["round_ms"] / t["target_step_ms"]) < 0.01
     rows = (ws / "metrics/evaluate_positions.csv").read_text().splitlines()
-    assert rows[0] == "k,position,acceptance" and len(rows) == 1 + 2 + 3
+    assert rows[0] == "k,position,acceptance" and len(rows) == 1 + 2 + 3 + 2
+
+
+def test_a_tree_that_cannot_be_drafted_fails_before_any_work(smollm2, tmp_path):
+    base = {"questions": 1, "k": 2, "max_new_tokens": 4, "dtype": "float32", "device": "cpu", "batch_size": 1,
+            "speed_questions": 1, "min_tau": None}  # fmt: skip
+    for trees, says in (
+        ([[2, 2, 8]], "tree-2x2x8 verifies more tokens"),
+        ([[3, 2, 1]], "tokens >= 2"),
+        ([[0, 2, 4]], "`evaluate.trees` is [[0, 2, 4]]"),
+    ):
+        ws = stage_workspace(tmp_path / str(trees[0]), smollm2, {"evaluate": {**base, "trees": trees}})
+        p = run_py(["-m", "stages.evaluate", "--no-progress"], cwd=ws, check=False)
+        assert p.returncode == 2 and says in p.stderr.strip().splitlines()[-1]
+        assert not (ws / "metrics").exists()

@@ -89,19 +89,26 @@ class ChainDrafter:
         self.drafter, self.embed = drafter, embed
         self.cache, self.done = StepCache(), 0  # cells 0..done-1 have step-0 keys in the cache
 
-    @torch.inference_mode()
-    def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
-        d, n, dev = self.drafter, feats.shape[0], feats.device
+    def step0(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """A new round: step 0 over the cells verified since the last one; h [1, 1, H] of the last cell."""
+        d, n = self.drafter, feats.shape[0]
         dtype = d.fc.weight.dtype
         self.cache.new_round()
         h = d.step(
             d.project(feats[None, self.done :].to(dtype)),
             self.embed(tokens[None, self.done + 1 :]).to(dtype),
-            torch.arange(self.done, n, device=dev),
+            torch.arange(self.done, n, device=feats.device),
             self.cache,
             q_offset=self.done,
         )[:, -1:]
         self.done = n
+        return h
+
+    @torch.inference_mode()
+    def __call__(self, feats: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
+        d, n, dev = self.drafter, feats.shape[0], feats.device
+        dtype = d.fc.weight.dtype
+        h = self.step0(feats, tokens)
         drafts = []
         for j in range(k):
             top = int(d.logits(h)[0, -1].argmax())
