@@ -270,6 +270,7 @@ def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4, local_target: bool = Fal
     p["data"] = {
         "parts": list(parts),
         "sharegpt": {name: {"start": i * per_part, "count": per_part, "turns": 0} for i, name in enumerate(parts)},
+        "synthetic": {},  # dvc.yaml's foreach reads it, even empty
     }
     p["tokenize"]["max_seq_len"] = 192
     p["store"].update(chunk_mb=0.1, shard_mb=1)
