@@ -277,9 +277,7 @@ def tiny_params(parts=("tiny-a", "tiny-b"), per_part=4, local_target: bool = Fal
     p["validate"]["samples"] = 2
     p["pack"].update(draft_vocab_size=1024, val_fraction=0.25)
     p["train"].update(epochs=1, batch_tokens=512, micro_batches=1, ttt_steps=2)
-    p["evaluate"].update(
-        questions=2, max_new_tokens=6, k=2, trees=[[2, 2, 4]], min_tau=None
-    )  # the gate has its own test
+    p["evaluate"].update(questions=2, max_new_tokens=6, k=2, min_tau=None)  # the gate and trees: test_evaluate
     return p
 
 
