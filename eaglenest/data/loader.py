@@ -30,18 +30,26 @@ def _init(packed: str, hidden_dir: str, slots: torch.Tensor, slot_bytes: int) ->
     _worker.update(split=PackedSplit(Path(packed), "train", Path(hidden_dir)), slots=slots.numpy(), size=slot_bytes)
 
 
+def _nbytes(dtype: np.dtype, shape: tuple) -> int:
+    return int(np.prod(shape)) * dtype.itemsize
+
+
+def _aligned(n: int) -> int:  # each array of a slot starts 64-byte aligned
+    return -(-n // 64) * 64
+
+
 def views(buf: np.ndarray, layout: dict) -> dict[str, np.ndarray]:
     """The arrays of `layout` laid one after another (64-byte aligned) in the byte buffer `buf`."""
     out, at = {}, 0
     for k, (dtype, shape) in layout.items():
-        n = int(np.prod(shape)) * dtype.itemsize
+        n = _nbytes(dtype, shape)
         out[k] = buf[at : at + n].view(dtype).reshape(shape)
-        at += -(-n // 64) * 64
+        at += _aligned(n)
     return out
 
 
 def layout_bytes(layout: dict) -> int:
-    return sum(-(-int(np.prod(s)) * d.itemsize // 64) * 64 for d, s in layout.values())
+    return sum(_aligned(_nbytes(d, s)) for d, s in layout.values())
 
 
 def _collate(idx: list[int], shape: tuple[int, int], slot: int) -> None:

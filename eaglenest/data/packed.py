@@ -54,7 +54,6 @@ class PackedSplit:
         if len(off) != len(rows) + 1:
             raise EaglenestError(f"{root}: {split} has {len(off) - 1} samples of tokens but {len(rows)} indexed")
         self.samples = [(part, row, int(off[j]), int(off[j + 1] - off[j])) for j, (part, row) in enumerate(rows)]
-        self.hidden_dir = Path(hidden_dir)
         self.stores = {part: open_indexed_store(hidden_dir, part, self.manifest) for part in self.manifest["parts"]}
         self._kept, self._keep_bytes = {}, 0  # `keep_in_memory`
 
@@ -81,17 +80,17 @@ class PackedSplit:
 
     def get(self, i: int) -> dict:
         """Sample i's state arrays as stored (read and digest-checked now) and its token arrays."""
-        stored = self._kept.get(i)
+        tokens, stored = self.token_arrays(i), self._kept.get(i)
         if stored is None:
             part, row, _, _ = self.samples[i]
             ids, stored = self.stores[part].read_stored(row)
-            if not np.array_equal(ids, self.tokens["input_ids"][self.samples[i][2] : self.samples[i][2] + len(ids)]):
+            if not np.array_equal(ids, tokens["input_ids"]):
                 raise EaglenestError(
                     f"part {part}: sample {row} of {self.stores[part].path} is not the one pack indexed"
                 )
             if self._keep_bytes:
                 self._kept[i] = stored
-        return {**stored, **self.token_arrays(i)}
+        return {**stored, **tokens}
 
     @property
     def n_tokens(self) -> int:

@@ -24,6 +24,8 @@ class TreeShape:
     def __post_init__(self):
         if self.steps < 1 or self.topk < 1 or self.tokens < 2:
             raise ValueError(f"tree {self}: steps and topk must be >= 1 and tokens >= 2")
+        if self.tokens - 1 > self.topk + (self.steps - 1) * self.topk**2:  # depth 1: topk nodes; later: topk^2
+            raise ValueError(f"{self.name} verifies more tokens than its steps and topk draft")
 
     @property
     def name(self) -> str:

@@ -279,7 +279,8 @@ class Trainer:
             workers = min(8, max(1, (os.cpu_count() or 2) // 4)) if self.device.type == "cuda" else 0
         workers, m = int(workers), self.cfg.micro_batches // self.world
         longest = -(-self.longest // self.bucket) * self.bucket if self.bucket else self.longest
-        size = layout_bytes(batch_layout(self.train_split, 1, max(self.cfg.batch_tokens, longest))) + 64 * 8
+        # a batch pads to at most batch_tokens, or to one sample's length: that layout bounds every one
+        size = layout_bytes(batch_layout(self.train_split, 1, max(self.cfg.batch_tokens, longest)))
         budget = min(shared_memory_free(), host_memory.available() // 4)
         self.ahead = min(2 * workers, budget // (m * size) - 1) if workers else 1
         if workers and self.ahead < 1:
