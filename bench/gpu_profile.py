@@ -218,6 +218,8 @@ def record_disk(work: Path, stage: str) -> dict:
 def run(work: Path, budget: float, min_left: float, until: str | None = None) -> None:
     t0 = time.time()
     todo = stages(work)
+    if "start" not in read_json(work, DISK):
+        record_disk(work, "start")  # the baseline: the pipeline's own disk is used_gb minus this
     if until:
         kinds = [st.split("@")[0] for st in todo]
         if until not in kinds:
@@ -419,6 +421,35 @@ def restore(work: Path, saved: Path) -> None:
     sh(["dvc", "checkout", "--quiet"], work)
 
 
+def du(path: Path) -> int:
+    """Bytes on disk under path (hard links once)."""
+    return int(subprocess.run(["du", "-sB1", str(path)], capture_output=True, text=True).stdout.split()[0])
+
+
+def footprint(work: Path) -> dict:
+    """The pipeline's disk: the workspace's data/ and the DVC cache (du, hard links counted once, as DVC
+    links them), the df rise since the run started, and one `dvc status` over every stage, timed."""
+    disk = read_json(work, DISK)
+    t = time.time()
+    clean = subprocess.run(["dvc", "status", "-q"], cwd=work, capture_output=True).returncode == 0
+    status_s = time.time() - t
+    data, cache = du(work / "data"), du(work / ".dvc" / "cache")
+    both = int(subprocess.run(["du", "-sB1", "-c", str(work / "data"), str(work / ".dvc" / "cache")],
+                              capture_output=True, text=True).stdout.splitlines()[-1].split()[0])  # fmt: skip
+    return {
+        "workspace_data_gb": round(data / 1e9, 2),
+        "dvc_cache_gb": round(cache / 1e9, 2),
+        "workspace_and_cache_gb": round(both / 1e9, 2),
+        "df_rise_gb": round(disk["evaluate"]["used_gb"] - disk["start"]["used_gb"], 1) if "start" in disk else None,
+        "dvc_status_s": round(status_s, 2),
+        "dvc_status_clean": clean,
+        "link_type": subprocess.run(
+            ["dvc", "config", "cache.type"], cwd=work, capture_output=True, text=True
+        ).stdout.strip()
+        or "dvc default (reflink, copy)",
+    }
+
+
 def report(work: Path, out: Path, with_drafter: bool = False) -> None:
     r = work / "reports"
 
@@ -488,6 +519,18 @@ def report(work: Path, out: Path, with_drafter: bool = False) -> None:
         },
     }
     res["train"]["tokens_per_s"] = load("timing/train.json").get("tokens_per_s")
+    res["tree"] = {
+        name: {
+            "tau": ev["tau"][name],
+            "identical_to_greedy": ev["identical_to_greedy"][name],
+            "accept_per_depth": ev["accept_rate_per_position"][name],
+            "speedup": t["speedup"],
+            "tokens_per_s": t["tokens_per_s"],
+        }
+        for name, t in ev_time.get("tree", {}).items()
+    }
+    res["best_k"], res["best_tree"] = ev_time.get("best_k"), ev_time.get("best_tree")
+    res["footprint"] = footprint(work)
     g = res["generate"]
     g["tokens_per_s"] = round(g["generated_tokens"] / g["decode_s"], 1) if g["decode_s"] else None
     out.mkdir(parents=True, exist_ok=True)

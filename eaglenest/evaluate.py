@@ -4,8 +4,8 @@ counted, plain = 1.0), acceptance per draft position (a tree's: per depth), the 
 (output == greedy output), and the decoding speedup at batch 1, with the fastest chain and tree.
 
 batch_size 1 decodes question by question (each timed); batch_size > 1 decodes that many
-questions at once (`batched_speculative`) and times batch-1 decoding on the first
-`speed_questions` only; trees always decode at batch 1."""
+questions at once (`batched_speculative`, `batched_tree`) and times batch-1 decoding on the first
+`speed_questions` only."""
 
 import json
 import logging
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from eaglenest.decoding import batched_speculative
+from eaglenest.decoding import batched_speculative, batched_tree
 from eaglenest.decoding.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
 from eaglenest.decoding.tree import TreeShape, tree_decode
 from eaglenest.drafter.model import Eagle3Drafter
@@ -121,28 +121,23 @@ def evaluate(
     timed, modes = ids[:speed_questions], [*ks, *trees]
     if batch_size > 1:
 
-        def run(k):
+        def run(mode):
             rows = []
             for b in tqdm(
                 range(0, len(ids), batch_size),
-                desc=f"evaluate k={k}" if k else "evaluate greedy",
+                desc=f"evaluate {mode.name if isinstance(mode, TreeShape) else f'k={mode}' if mode else 'greedy'}",
                 unit="batch",
                 disable=not progress,
             ):
-                rows += batched_speculative.decode(
-                    model, taps, ids[b : b + batch_size], max_new_tokens, eos, k, drafter, embed
-                )
+                x = ids[b : b + batch_size]
+                if isinstance(mode, TreeShape):
+                    rows += batched_tree.decode(model, taps, x, max_new_tokens, eos, mode, drafter, embed)
+                else:
+                    rows += batched_speculative.decode(model, taps, x, max_new_tokens, eos, mode, drafter, embed)
             return rows
 
         plain = [r.out for r in run(0)]
-        spec = {k: [(r.out, r.accepted) for r in run(k)] for k in ks}
-        runner = TargetRunner(model, taps)
-        for t in trees:
-            runs = [
-                tree_decode(runner, drafter, embed, x, max_new_tokens, eos, t)
-                for x in tqdm(ids, desc=t.name, disable=not progress)
-            ]
-            spec[t] = [(d.tokens, d.accepted) for d in runs]
+        spec = {m: [(r.out, r.accepted) for r in run(m)] for m in modes}
         clock = decode_speed(model, taps, drafter, embed, timed, max_new_tokens, eos, modes)
     else:
         runner = TargetRunner(model, taps)

@@ -4,6 +4,7 @@ cache's kept path, and a tree of one branch drafting what the chain drafts."""
 import pytest
 import torch
 
+from eaglenest.decoding import batched_speculative as bs
 from eaglenest.decoding.speculative import ChainDrafter, TargetRunner, greedy_decode, speculative_decode
 from eaglenest.decoding.tree import Tree, TreeDrafter, TreeShape, accept, tree_decode, tree_mask
 
@@ -11,12 +12,14 @@ from .test_evaluate import TAPS, prompts, tiny_fp32  # noqa: F401 (a fixture)
 from .test_train import tiny_drafter
 
 
-def oracle_tree(truth: list[int], prompt_len: int, rng: torch.Generator, vocab: int = 200):
+def oracle_tree(truth: list[int], prompt_len: int, seed: int, vocab: int = 200):
     """Trees of `topk` branches per level; one branch at each level (at a random place) follows the
-    greedy continuation up to a random depth, every other token is wrong."""
+    greedy continuation up to a random depth, every other token is wrong. The draws depend on (seed,
+    prompt, position) alone, so batched and batch-1 decoding see the same trees."""
 
     def tree(feats, tokens, shape):
-        done = len(tokens) - prompt_len  # output tokens so far
+        done = len(tokens) - prompt_len  # output tokens so far: truth[done] comes next
+        rng = torch.Generator().manual_seed(hash((seed, prompt_len, *truth[:4], done)) & 0xFFFF_FFFF)
         right = truth[done : done + shape.steps] + [0] * shape.steps
         cut = int(torch.randint(0, shape.steps + 1, (1,), generator=rng))
         toks, parents, depths, on_path = [], [], [], -1
@@ -47,12 +50,46 @@ def test_tree_decoding_is_lossless_and_accepts_every_path_length(tiny_target, ti
     for p in prompts(seed + 3, n=5):
         g = greedy_decode(runner, p, 40, eos={2}).tokens
         assert tree_decode(runner, drafter, embed, p, 40, {2}, shape).tokens == g  # the real drafter
-        rng = torch.Generator().manual_seed(seed)
-        s = tree_decode(runner, drafter, embed, p, 40, {2}, shape, tree_fn=oracle_tree(g, len(p) + 1, rng))
+        s = tree_decode(runner, drafter, embed, p, 40, {2}, shape, tree_fn=oracle_tree(g, len(p), seed))
         assert s.tokens == g
         assert s.target_forwards == 1 + len(s.accepted) < len(g)
         accepted += s.accepted
     assert set(accepted) >= {0, 1, 2, 3, 4}
+
+
+def test_batched_trees_decide_as_batch1(smollm2):
+    """The GPU evaluation path: every row's tree drafted in one drafter batch, verified in one target
+    forward under per-row 4-D masks. On the real target (its greedy text varies, unlike the tiny
+    one's), rows of different lengths give batch 1's tokens and accepted counts: with a random
+    drafter, and with oracle trees that accept every path length, so rows advance unevenly and
+    rejected nodes must stay out of later rounds' attention."""
+    from eaglenest.decoding import batched_tree as bt
+    from eaglenest.target import load_model
+
+    model = load_model(smollm2, dtype="float32", device="cpu")
+    runner, embed, taps = TargetRunner(model, [1, 14, 27]), model.get_input_embeddings(), [1, 14, 27]
+    drafter = tiny_drafter(smollm2, taps, 0)
+    ps = [p for p in prompts(5, n=4)]
+    shape, eos = TreeShape(3, 3, 10), {2}
+    ref = [greedy_decode(runner, p, 24, eos).tokens for p in ps]
+    assert len({t for g in ref for t in g}) > 20  # varied text: a wrong oracle offset cannot pass
+    one = [tree_decode(runner, drafter, embed, p, 24, eos, shape) for p in ps]
+    rows = bt.decode(model, taps, ps, 24, eos, shape, drafter, embed)
+    assert [r.out for r in rows] == ref == [d.tokens for d in one]
+    assert [r.accepted for r in rows] == [d.accepted for d in one]
+    trees = {tuple(p): oracle_tree(g, len(p), 5) for p, g in zip(ps, ref)}
+    one = [tree_decode(runner, drafter, embed, p, 24, eos, shape, tree_fn=trees[tuple(p)]) for p in ps]
+    rows = bt.decode(model, taps, ps, 24, eos, shape, tree_fn=lambda _d, _e, rs, sh: [
+        trees[tuple(r.seq[: len(r.seq) - len(r.out)])](None, r.seq, sh) for r in rs])  # fmt: skip
+    assert [r.out for r in rows] == ref == [d.tokens for d in one]
+    assert [r.accepted for r in rows] == [d.accepted for d in one]
+    assert {a for r in rows for a in r.accepted} == {0, 1, 2, 3}
+    # the batched drafter grows the trees batch 1 grows
+    _, feats = runner.forward(ps[0], __import__("transformers").DynamicCache(), 0)
+    r = bs.Row(seq=list(ps[0]), out=[], feats=[feats[:-1]])
+    got = bt.draft_trees(drafter, embed, [r, r], shape)
+    want = TreeDrafter(drafter, embed).tree(r.feats[0], torch.tensor(ps[0]), shape)
+    assert got[0] == got[1] == want
 
 
 def test_a_one_branch_tree_is_the_chain(tiny_target, tiny_fp32):  # noqa: F811

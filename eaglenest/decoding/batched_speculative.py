@@ -10,7 +10,8 @@ decisions as `speculative.speculative_decode`, run side by side:
 - `k = 0` is plain greedy decoding with the same machinery (the reference for the lossless check).
 
 Rows leave the batch when they finish. Batched fp32 arithmetic is not bit-identical to batch 1 (the
-reductions differ), so a greedy near-tie can in principle resolve differently than at batch 1."""
+reductions differ), so a greedy near-tie can in principle resolve differently than at batch 1.
+`batched_tree` runs draft trees on the same `BatchTarget` and `Row`s."""
 
 from dataclasses import dataclass, field
 
@@ -32,8 +33,9 @@ class Row:
 
 
 @torch.inference_mode()
-def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torch.Tensor:
-    """drafts [B, k] (target ids): each row's chain from its own last cell."""
+def step0_rows(drafter: Eagle3Drafter, embed, rows: list[Row]) -> tuple[torch.Tensor, StepCache, torch.Tensor]:
+    """Step 0 over every row's cells at once: (h [B, 1, H] of each row's last cell, the step cache
+    holding every cell's keys, n [B] the rows' cell counts)."""
     feats = pad_sequence([torch.cat(r.feats) for r in rows], batch_first=True)  # [B, N, A, H]
     n = torch.tensor([len(r.seq) - 1 for r in rows], device=feats.device)
     tokens = pad_sequence([torch.tensor(r.seq[1:], device=feats.device) for r in rows], batch_first=True)
@@ -45,8 +47,14 @@ def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torc
         torch.arange(feats.shape[1], device=feats.device),
         cache,
     )
-    last = n - 1
-    h = x[torch.arange(len(rows), device=x.device), last][:, None]
+    return x[torch.arange(len(rows), device=x.device), n - 1][:, None], cache, n
+
+
+@torch.inference_mode()
+def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torch.Tensor:
+    """drafts [B, k] (target ids): each row's chain from its own last cell."""
+    h, cache, n = step0_rows(drafter, embed, rows)
+    last, dtype = n - 1, drafter.fc.weight.dtype
     drafts = []
     for j in range(k):
         top = drafter.logits(h)[:, -1].argmax(-1)
@@ -55,6 +63,67 @@ def draft_chains(drafter: Eagle3Drafter, embed, rows: list[Row], k: int) -> torc
         if j < k - 1:
             h = drafter.step(h, embed(d[:, None]).to(dtype), (last + 1 + j)[:, None], cache, q_offset=last)
     return torch.stack(drafts, 1)
+
+
+class BatchTarget:
+    """The target over left-padded rows: one KV slot per token it has run for every row, and `valid`,
+    the 2-D mask of the slots each row attends to (padding and rejected drafts are holes)."""
+
+    def __init__(self, model, taps: list[int], prompts: list[list[int]], aux: bool):
+        self.model, self.taps, self.aux = model, taps, aux
+        self.dev = next(model.parameters()).device
+        self.kw, self.cache = cache_kwarg(model), growing_cache()
+        self.ids, self.valid = left_pad(prompts, 0, self.dev)
+
+    def forward(self, x, positions, keep=0, mask=None):
+        """(greedy ids [B, q], aux [B, q, A, H] or None); mask: a prepared 4-D mask for this call
+        (draft trees), else `valid`."""
+        out = self.model(
+            input_ids=x,
+            attention_mask=self.valid if mask is None else mask,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=self.aux,
+            logits_to_keep=keep,
+            **{self.kw: self.cache},
+        )
+        aux = torch.stack([out.hidden_states[j] for j in self.taps], 2) if self.aux else None
+        return out.logits.argmax(-1), aux
+
+    def start(self, prompts: list[list[int]]) -> list[Row]:
+        """The prompts' forward: rows holding their first token (and the prompts' features)."""
+        greedy, aux = self.forward(self.ids, (self.valid.cumsum(-1) - 1).clamp(min=0), keep=1)
+        rows, L = [Row(seq=list(p), out=[]) for p in prompts], self.ids.shape[1]
+        for r, (row, p) in enumerate(zip(rows, prompts)):
+            row.seq.append(int(greedy[r, -1]))
+            row.out.append(row.seq[-1])
+            if self.aux:
+                row.feats.append(aux[r, L - len(p) :])
+        return rows
+
+    def keep(self, live: list[int], rows: list[Row], max_new: int, eos: set) -> list[int]:
+        """Drop the rows that finished; the live rows' indices."""
+        keep = [b for b, r in enumerate(live) if not _finished(rows[r], max_new, eos)]
+        if len(keep) < len(live):
+            idx = torch.tensor(keep, device=self.dev, dtype=torch.long)
+            self.cache.batch_select_indices(idx)
+            self.valid = self.valid[idx]
+        return [live[b] for b in keep]
+
+
+def advance(row: Row, new: list[int], feats: torch.Tensor | None, accepted: int) -> None:
+    """A verification's outcome for one row: its new tokens, and (speculating) their features."""
+    if feats is not None:
+        row.feats.append(feats)
+        row.accepted.append(accepted)
+    row.seq += new
+    row.out += new
+
+
+def finish(rows: list[Row], max_new: int, eos: set) -> list[Row]:
+    for row in rows:
+        row.out = cut_at_eos(row.out, eos)[:max_new]
+    return rows
 
 
 @torch.inference_mode()
@@ -71,62 +140,26 @@ def decode(
 ) -> list[Row]:
     """Greedy (k = 0) or speculative decoding of every prompt; rows in prompt order. `draft_fn`
     (drafter, embed, live rows, k) -> drafts [b, k]: tests pass an oracle."""
-    dev = next(model.parameters()).device
-    kw = cache_kwarg(model)
-    ids, valid = left_pad(prompts, 0, dev)
-    B, L = ids.shape
-    cache = growing_cache()
-
-    def forward(x, positions, keep=0):
-        out = model(
-            input_ids=x,
-            attention_mask=valid,
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=k > 0,
-            logits_to_keep=keep,
-            **{kw: cache},
-        )
-        aux = torch.stack([out.hidden_states[j] for j in taps], 2) if k > 0 else None  # [B, q, A, H]
-        return out.logits.argmax(-1), aux
-
-    greedy, aux = forward(ids, (valid.cumsum(-1) - 1).clamp(min=0), keep=1)
-    rows = [Row(seq=list(p), out=[]) for p in prompts]
-    first = greedy[:, -1].tolist()
-    for r, (row, p) in enumerate(zip(rows, prompts)):
-        row.seq.append(first[r])
-        row.out.append(first[r])
-        if k > 0:
-            row.feats.append(aux[r, L - len(p) :])
-    live = [r for r in range(B) if not _finished(rows[r], max_new, eos)]
+    target = BatchTarget(model, taps, prompts, aux=k > 0)
+    dev = target.dev
+    rows = target.start(prompts)
+    live = target.keep(list(range(len(rows))), rows, max_new, eos)
     while live:
         lr = [rows[r] for r in live]
         last = torch.tensor([r.seq[-1] for r in lr], device=dev)[:, None]
         drafts = draft_fn(drafter, embed, lr, k) if k > 0 else last[:, :0]
         x = torch.cat([last, drafts], 1)  # [b, k+1]
         pos = torch.tensor([len(r.seq) - 1 for r in lr], device=dev)[:, None] + torch.arange(k + 1, device=dev)
-        valid = torch.cat([valid, torch.ones_like(x)], 1)
-        greedy, aux = forward(x, pos)
+        target.valid = torch.cat([target.valid, torch.ones_like(x)], 1)
+        greedy, aux = target.forward(x, pos)
         match = (drafts == greedy[:, :k]).long().cumprod(1).sum(1)  # leading accepted drafts
         a_all, g_all, d_all = match.tolist(), greedy.tolist(), drafts.tolist()
-        valid[:, -(k + 1) :] = (torch.arange(k + 1, device=dev) <= match[:, None]).long()  # rejected: masked
+        target.valid[:, -(k + 1) :] = (torch.arange(k + 1, device=dev) <= match[:, None]).long()  # rejected: masked
         for b, row in enumerate(lr):
             a = a_all[b]
-            new = d_all[b][:a] + [g_all[b][a]]
-            if k > 0:
-                row.feats.append(aux[b, : a + 1])
-                row.accepted.append(a)
-            row.seq += new
-            row.out += new
-        keep = [b for b, r in enumerate(live) if not _finished(rows[r], max_new, eos)]
-        if len(keep) < len(live):
-            idx = torch.tensor(keep, device=dev, dtype=torch.long)
-            cache.batch_select_indices(idx)
-            valid = valid[idx]
-            live = [live[b] for b in keep]
-    for row in rows:
-        row.out = cut_at_eos(row.out, eos)[:max_new]
-    return rows
+            advance(row, d_all[b][:a] + [g_all[b][a]], aux[b, : a + 1] if k > 0 else None, a)
+        live = target.keep(live, rows, max_new, eos)
+    return finish(rows, max_new, eos)
 
 
 def _finished(row: Row, max_new: int, eos: set) -> bool:

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from eaglenest.decoding.speculative import ChainDrafter, Decoded, TargetRunner, cut_at_eos
+from eaglenest.drafter.model import StepCache
 
 
 @dataclass(frozen=True)
@@ -41,64 +42,90 @@ class Tree:
 
 class TreeDrafter(ChainDrafter):
     """Draft trees round after round for one decode, keeping step 0's keys of verified cells (as
-    `ChainDrafter`). The frontier's nodes are rows of one batch: each row attends to the shared step-0
-    cells and to its own ancestors' keys (the cache's diagonal, regathered by parent every step)."""
+    `ChainDrafter`); `grow` drafts each round's tree."""
 
     @torch.inference_mode()
     def tree(self, feats: torch.Tensor, tokens: torch.Tensor, shape: TreeShape) -> Tree:
-        d, n, dev = self.drafter, feats.shape[0], feats.device
-        dtype = d.fc.weight.dtype
         h = self.step0(feats, tokens)
-        # candidates: (score, token, parent node, depth); the frontier: (node, its row in h)
-        cand_score, cand_tok, cand_parent, cand_depth = [], [], [], []
-        frontier_nodes, base = [-1], torch.zeros(1, device=dev)
-        for depth in range(1, shape.steps + 1):
-            logp = torch.log_softmax(d.logits(h)[:, -1].float(), -1)  # [rows, Vd]
-            top_lp, top_i = logp.topk(shape.topk, -1)
-            scores = (base[:, None] + top_lp).flatten()
-            toks = (top_i + d.d2t[top_i]).flatten()
-            first = len(cand_score)
-            for j in range(scores.numel()):
-                cand_score.append(float(scores[j]))
-                cand_tok.append(int(toks[j]))
-                cand_parent.append(frontier_nodes[j // shape.topk])
-                cand_depth.append(depth)
-            if depth == shape.steps:
-                break
-            best = scores.topk(min(shape.topk, scores.numel())).indices  # the next frontier
-            rows = torch.div(best, shape.topk, rounding_mode="floor")
-            self.cache.diag_k = [x[rows] for x in self.cache.diag_k]
-            self.cache.diag_v = [x[rows] for x in self.cache.diag_v]
-            emb = self.embed(toks[best][:, None]).to(dtype)
-            pos = torch.full((len(best), 1), n + depth - 1, device=dev)
-            h = d.step(h[rows], emb, pos, self.cache, q_offset=n - 1)
-            frontier_nodes = [first + int(b) for b in best]
-            base = scores[best]
-        # the best tokens-1 nodes: a child scores no higher than its parent and sorts after it at a tie
-        keep = sorted(range(len(cand_score)), key=lambda i: (-cand_score[i], cand_depth[i], i))[: shape.tokens - 1]
-        keep.sort(key=lambda i: (cand_depth[i], i))
-        where = {c: j for j, c in enumerate(keep)}
-        return Tree(
-            [cand_tok[i] for i in keep],
-            [where[cand_parent[i]] if cand_parent[i] >= 0 else -1 for i in keep],
-            [cand_depth[i] for i in keep],
-        )
+        n = torch.tensor([feats.shape[0]], device=feats.device)
+        return grow(self.drafter, self.embed, h, self.cache, n, shape)[0]
+
+
+@torch.inference_mode()
+def grow(drafter, embed, h: torch.Tensor, step0: StepCache, n: torch.Tensor, shape: TreeShape) -> list[Tree]:
+    """Each row's tree from its last cell: h [B, 1, H] that cell's step-0 output, step0 the cache of
+    the rows' step-0 keys (row b's cells 0..n[b]-1), n [B]. The frontier's nodes are rows of one
+    batch (`topk` per row): each attends to its row's step-0 cells and to its own ancestors' keys
+    (the cache's diagonal, regathered by parent every step)."""
+    d, B, k, dev = drafter, h.shape[0], shape.topk, h.device
+    dtype = d.fc.weight.dtype
+    cache = StepCache()  # the expansion's: every frontier row with its row's step-0 keys
+    cache.k0, cache.v0 = step0.k0.repeat_interleave(k, 0), step0.v0.repeat_interleave(k, 0)
+    cache._extend = False
+    q_offset = (n - 1).repeat_interleave(k)
+    # candidates per depth, [B, f*k] each: score, token, parent (a candidate index of the row, -1: the root)
+    scores_at, toks_at, parents_at = [], [], []
+    base, frontier, count = torch.zeros(B, 1, device=dev), torch.full((B, 1), -1, device=dev, dtype=torch.long), 0
+    for depth in range(1, shape.steps + 1):
+        logp = torch.log_softmax(d.logits(h)[:, -1].float(), -1)  # [B * f, Vd]
+        top_lp, top_i = logp.topk(k, -1)
+        f = frontier.shape[1]
+        scores = (base.reshape(B * f, 1) + top_lp).reshape(B, f * k)
+        toks = (top_i + d.d2t[top_i]).reshape(B, f * k)
+        scores_at.append(scores)
+        toks_at.append(toks)
+        parents_at.append(frontier.repeat_interleave(k, 1))
+        first, count = count, count + f * k
+        if depth == shape.steps:
+            break
+        best = scores.topk(k, -1).indices  # [B, k]: the next frontier
+        rows = (torch.arange(B, device=dev)[:, None] * f + torch.div(best, k, rounding_mode="floor")).flatten()
+        cache.diag_k = [x[rows] for x in cache.diag_k]
+        cache.diag_v = [x[rows] for x in cache.diag_v]
+        emb = embed(toks.gather(1, best).reshape(B * k, 1)).to(dtype)
+        pos = (n + depth - 1).repeat_interleave(k)[:, None]
+        h = d.step(h[rows], emb, pos, cache, q_offset=q_offset)
+        frontier, base = first + best, scores.gather(1, best)
+    depths = [i + 1 for i, s in enumerate(scores_at) for _ in range(s.shape[1])]
+    S, T = torch.cat(scores_at, 1).tolist(), torch.cat(toks_at, 1).tolist()
+    P = torch.cat(parents_at, 1).tolist()
+    return [_best_nodes(S[b], T[b], P[b], depths, shape.tokens - 1) for b in range(B)]
+
+
+def _best_nodes(scores: list, toks: list, parents: list, depths: list, m: int) -> Tree:
+    """The m candidates of highest score: a child scores no higher than its parent and sorts after
+    it at a tie, so they form a tree."""
+    keep = sorted(range(len(scores)), key=lambda i: (-scores[i], depths[i], i))[:m]
+    keep.sort(key=lambda i: (depths[i], i))
+    where = {c: j for j, c in enumerate(keep)}
+    return Tree([toks[i] for i in keep], [where[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                [depths[i] for i in keep])  # fmt: skip
+
+
+def visibility(tree: Tree) -> torch.Tensor:
+    """[1 + m, 1 + m] bool over the root and the nodes: each sees the root, its ancestors and itself."""
+    m = len(tree.tokens)
+    see = torch.zeros(1 + m, 1 + m, dtype=torch.bool)
+    see[:, 0] = True
+    for i in range(m):
+        j = i
+        while j >= 0:
+            see[1 + i, 1 + j] = True
+            j = tree.parents[j]
+    return see
 
 
 def tree_mask(tree: Tree, past: int, dtype, device) -> torch.Tensor:
     """Additive [1, 1, 1 + m, past + 1 + m] mask: every row sees the past and the root; a node also
     its ancestors and itself."""
-    m = len(tree.tokens)
-    see = torch.zeros(1 + m, past + 1 + m, dtype=torch.bool)
-    see[:, : past + 1] = True
-    see[0, past] = True
-    for i in range(m):
-        j = i
-        while j >= 0:
-            see[1 + i, past + 1 + j] = True
-            j = tree.parents[j]
-    mask = torch.zeros(see.shape, dtype=dtype).masked_fill(~see, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
+    return additive(torch.cat([torch.ones(1 + len(tree.tokens), past, dtype=torch.bool), visibility(tree)], 1), dtype)[
+        None, None
+    ].to(device)
+
+
+def additive(see: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as transformers' additive float mask."""
+    return torch.zeros(see.shape, dtype=dtype, device=see.device).masked_fill(~see, torch.finfo(dtype).min)
 
 
 def accept(tree: Tree, greedy: list[int]) -> tuple[list[int], int]:
