@@ -218,7 +218,7 @@ def record_disk(work: Path, stage: str) -> dict:
 def run(work: Path, budget: float, min_left: float, until: str | None = None) -> None:
     t0 = time.time()
     todo = stages(work)
-    if "start" not in read_json(work, DISK):
+    if "start" not in (read_json(work, DISK) or {}):
         record_disk(work, "start")  # the baseline: the pipeline's own disk is used_gb minus this
     if until:
         kinds = [st.split("@")[0] for st in todo]
@@ -429,7 +429,7 @@ def du(path: Path) -> int:
 def footprint(work: Path) -> dict:
     """The pipeline's disk: the workspace's data/ and the DVC cache (du, hard links counted once, as DVC
     links them), the df rise since the run started, and one `dvc status` over every stage, timed."""
-    disk = read_json(work, DISK)
+    disk = read_json(work, DISK) or {}
     t = time.time()
     clean = subprocess.run(["dvc", "status", "-q"], cwd=work, capture_output=True).returncode == 0
     status_s = time.time() - t

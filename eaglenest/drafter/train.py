@@ -59,6 +59,14 @@ def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
     return out
 
 
+def auto_loader_workers() -> int:
+    """Loader processes for a CUDA rank: three quarters of its share of the cores, 1 to 16. A worker
+    reads ~25k tokens/s of states from zarr (fp8, 3 taps of 576); the GPU profile's drafter takes
+    ~230k/s: 4 workers held it at 99k tok/s (0.44x), 12 fed it at 22-25 steps/s (bench/RESULTS.md)."""
+    cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(16, cores * 3 // 4))
+
+
 class Trainer:
     def __init__(self, packed: Path, stores: Path, target: Target, cfg: TrainConfig, ckpt_dir: Path):
         """packed: pack's output; stores: the directory of the parts' stores (data/hidden)."""
@@ -270,13 +278,13 @@ class Trainer:
             self.loader.close()
 
     def start_loader(self, workers: int | str) -> int:
-        """Start `workers` loader processes (auto: on CUDA a quarter of the cores, at most 8; on the CPU
-        none, the step's own cores read) with slots for every micro-batch in flight: this rank's
-        micro-batches of the step that runs and of `self.ahead` steps loading (2 a process), fewer
-        steps ahead where shared memory is short. Returns `self.ahead`."""
+        """Start `workers` loader processes (auto: `auto_loader_workers` on CUDA, none on the CPU) with
+        slots for every micro-batch in flight: this rank's micro-batches of the step that runs and of
+        `self.ahead` steps loading (2 a process), fewer steps ahead where shared memory is short.
+        Returns `self.ahead`."""
         auto = workers == "auto"
-        if auto:  # a GPU must not wait on zarr
-            workers = min(8, max(1, (os.cpu_count() or 2) // 4)) if self.device.type == "cuda" else 0
+        if auto:
+            workers = auto_loader_workers() if self.device.type == "cuda" else 0
         workers, m = int(workers), self.cfg.micro_batches // self.world
         longest = -(-self.longest // self.bucket) * self.bucket if self.bucket else self.longest
         # a batch pads to at most batch_tokens, or to one sample's length: that layout bounds every one

@@ -30,7 +30,7 @@ class TrainConfig:
     attention: str  # auto (flex on CUDA, eager elsewhere) | eager | flex: same math
     compile: str  # auto (on CUDA) | true | false: torch.compile around the attention kernel
     intermediate_size: int | None  # the drafter's MLP width; None = the target's
-    loader_workers: int | str  # processes reading the stores: auto (CUDA: cores/4, max 8; CPU: 0 = in process)
+    loader_workers: int | str  # processes reading the stores: auto (CUDA: 3/4 of a rank's cores; CPU: 0)
 
     @classmethod
     def from_params(cls, p: dict) -> "TrainConfig":
