@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from eaglenest import host_memory
 from eaglenest.decoding import batched_speculative, batched_tree
 from eaglenest.decoding.speculative import Decoded, TargetRunner, greedy_decode, speculative_decode
 from eaglenest.decoding.tree import TreeShape, tree_decode
@@ -77,6 +78,38 @@ def acceptance(accepted: list[int], k: int) -> dict:
     }
 
 
+def slots_per_round(mode: int | TreeShape) -> int:
+    """KV slots a verification adds to each question's cache: the last token and the drafts."""
+    return mode.tokens if isinstance(mode, TreeShape) else mode + 1
+
+
+def check_room(model, ids: list[list[int]], max_new: int, modes: list, rows: int, device: str) -> None:
+    """Every mode must fit the target's context and, decoding `rows` questions at once, the device's
+    free memory, before any work: else one line naming the mode. Positions reach the longest prompt +
+    max_new + the mode's depth. A batched row keeps each round's slots (rejected ones as holes), at
+    worst max_new rounds of `slots_per_round`, in a cache that grows by doubling."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    longest, context = max(map(len, ids)), getattr(cfg, "max_position_embeddings", None)
+    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // cfg.num_attention_heads)
+    per_slot = 2 * cfg.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+    free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else host_memory.available()
+    for m in modes:
+        reach = longest + max_new + depth(m)
+        if context and reach > context:
+            raise EaglenestError(
+                f"evaluate {mode_key(m)}: positions reach {reach} (longest question {longest} + max_new_tokens "
+                f"{max_new} + {depth(m)} draft steps), beyond the target's context {context}"
+            )
+        worst = 2 * rows * (longest + max_new * slots_per_round(m)) * per_slot if rows > 1 else 0
+        if free and worst > free:
+            raise EaglenestError(
+                f"evaluate {mode_key(m)}: {rows} questions at once may need {worst / 1e9:.1f} GB of KV cache "
+                f"({slots_per_round(m)} slots a round, up to {max_new} rounds), {free / 1e9:.1f} GB free on "
+                f"{device}; lower evaluate.batch_size or the mode's tokens"
+            )
+
+
 def growable_gpu_segments() -> None:
     """Batched decoding re-reads every row's features each step, so its tensors grow a little each
     step; the default CUDA allocator keeps each outgrown block cached and can end up holding most
@@ -110,12 +143,13 @@ def evaluate(
         growable_gpu_segments()  # before the first allocation
     tok = load_tokenizer(target)
     model = load_model(target, dtype=dtype, device=device)
+    ids = prompt_ids(tok, prompts)
+    check_room(model, ids, max_new_tokens, [*ks, *trees], min(batch_size, len(ids)), device)
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=getattr(torch, dtype)).to(device).eval()
     if drafter.config.vocab_size != target.vocab_size:
         raise EaglenestError(f"{drafter_dir}: drafter vocab {drafter.config.vocab_size} != target {target.vocab_size}")
     taps, embed = drafter.config.taps, model.get_input_embeddings()
     eos = stop_ids(model, tok) | {tok.eos_token_id}
-    ids = prompt_ids(tok, prompts)
 
     # outputs per question: plain greedy, and per mode (k or tree) the speculative tokens and accepted drafts
     timed, modes = ids[:speed_questions], [*ks, *trees]

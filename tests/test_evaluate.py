@@ -169,15 +169,26 @@ def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_
     assert rows[0] == "k,position,acceptance" and len(rows) == 1 + 2 + 3 + 2
 
 
-def test_a_tree_that_cannot_be_drafted_fails_before_any_work(smollm2, tmp_path):
+def test_a_tree_that_cannot_be_drafted_or_held_fails_before_any_work(smollm2, tmp_path):
+    from eaglenest.evaluate import mtbench_prompts, prompt_ids
+    from eaglenest.target import load_tokenizer
+
     base = {"questions": 1, "k": 2, "max_new_tokens": 4, "dtype": "float32", "device": "cpu", "batch_size": 1,
             "speed_questions": 1, "min_tau": None}  # fmt: skip
-    for trees, says in (
-        ([[2, 2, 8]], "tree-2x2x8 verifies more tokens"),
-        ([[3, 2, 1]], "tokens >= 2"),
-        ([[0, 2, 4]], "`evaluate.trees` is [[0, 2, 4]]"),
-    ):
-        ws = stage_workspace(tmp_path / str(trees[0]), smollm2, {"evaluate": {**base, "trees": trees}})
+    first = len(prompt_ids(load_tokenizer(smollm2), mtbench_prompts(1))[0])
+    for i, (sets, says) in enumerate(
+        [
+            ({"trees": [[2, 2, 8]]}, "tree-2x2x8 verifies more tokens"),
+            ({"trees": [[3, 2, 1]]}, "tokens >= 2"),
+            ({"trees": [[0, 2, 4]]}, "`evaluate.trees` is [[0, 2, 4]]"),
+            # the chain's 2 draft steps fit the context (8192), the tree's 5 do not
+            ({"trees": [[5, 2, 4]], "max_new_tokens": 8192 - first - 3}, "evaluate tree-5x2x4: positions reach 8194"),
+            # 2 questions at once, each round keeping 1,600 slots: ~1 TB of KV cache at worst, refused
+            ({"trees": [[2, 40, 1600]], "max_new_tokens": 4000, "questions": 2, "batch_size": 2},
+             "evaluate tree-2x40x1600: 2 questions at once may need"),
+        ]
+    ):  # fmt: skip
+        ws = stage_workspace(tmp_path / str(i), smollm2, {"evaluate": {**base, **sets}})
         p = run_py(["-m", "stages.evaluate", "--no-progress"], cwd=ws, check=False)
-        assert p.returncode == 2 and says in p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and says in p.stderr.strip().splitlines()[-1], p.stderr[-600:]
         assert not (ws / "metrics").exists()
