@@ -235,7 +235,7 @@ class Clock:
     break-even tau, up to the prompt's forward and the last round)."""
 
     def __init__(self, modes: list):
-        self.ks = list(modes)
+        self.modes = list(modes)
         every = [None, *modes]
         self.tokens, self.seconds, self.prefill = dict.fromkeys(every, 0), dict.fromkeys(every, 0.0), {}
         self.prompts = dict.fromkeys(every, 0)
@@ -262,7 +262,7 @@ class Clock:
             "k": {},
             "tree": {},
         }
-        for k in self.ks:
+        for k in self.modes:
             if not self.rounds[k]:
                 continue
             rnd = (self.seconds[k] - self.prefill[k]) / self.rounds[k]

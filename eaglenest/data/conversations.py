@@ -95,8 +95,6 @@ def check_exchange(messages: list[dict], prompts_ok: bool = False) -> None:
     """An optional system turn, then user/assistant alternating, with at least one assistant turn;
     with `prompts_ok` (the target answers: generate.enabled) the last turn may be a user's instead."""
     body = messages[1:] if messages[0]["role"] == "system" else messages
-    if prompts_ok and body and body[-1]["role"] == "user":
-        body = [*body, {"role": "assistant", "content": "(answered by the target)"}]
     if not body:
         raise ValueError("no user/assistant turns")
     for i, m in enumerate(body):
@@ -105,7 +103,7 @@ def check_exchange(messages: list[dict], prompts_ok: bool = False) -> None:
             raise ValueError(f"turn {i} is {m['role']!r}, expected {want!r} (roles must alternate user/assistant)")
         if not m["content"].strip():
             raise ValueError(f"turn {i} ({m['role']}) is empty")
-    if not any(m["role"] == "assistant" for m in body):
+    if not prompts_ok and not any(m["role"] == "assistant" for m in body):  # alternating: a lone user turn
         raise ValueError(
             "no assistant turn to learn from (a prompt-only conversation is answered by the target: generate.enabled)"
         )

@@ -59,8 +59,10 @@ def grow(drafter, embed, h: torch.Tensor, step0: StepCache, n: torch.Tensor, sha
     (the cache's diagonal, regathered by parent every step)."""
     d, B, k, dev = drafter, h.shape[0], shape.topk, h.device
     dtype = d.fc.weight.dtype
-    cache = StepCache()  # the expansion's: every frontier row with its row's step-0 keys
-    cache.k0, cache.v0 = step0.k0.repeat_interleave(k, 0), step0.v0.repeat_interleave(k, 0)
+    # the expansion's cache: every frontier row with its row's step-0 keys (one row's broadcast, uncopied)
+    cache = StepCache()
+    step0_kv = (step0.k0, step0.v0)
+    cache.k0, cache.v0 = step0_kv if B == 1 else (x.repeat_interleave(k, 0) for x in step0_kv)
     cache._extend = False
     q_offset = (n - 1).repeat_interleave(k)
     # candidates per depth, [B, f*k] each: score, token, parent (a candidate index of the row, -1: the root)
