@@ -285,8 +285,12 @@ def test_loader_processes_give_the_batches_collated_here(tiny_packed):
     split = PackedSplit(packed, "train", hidden)
     batches = epoch_batches(split, 0, 0, 240)
     shapes = [batch_shape([split.length(i) for i in b]) for b in batches]
-    size = max(layout_bytes(batch_layout(split, *s)) for s in shapes)
-    loader = BatchLoader(packed, hidden, split, 2, slots=2, slot_bytes=size)
+    val = PackedSplit(packed, "val", hidden)
+    val_batches = epoch_batches(val, 0, 0, 240)
+    val_shapes = [batch_shape([val.length(i) for i in b]) for b in val_batches]
+    assert val_batches
+    size = max(layout_bytes(batch_layout(split, *s)) for s in shapes + val_shapes)
+    loader = BatchLoader(packed, hidden, {"train": split, "val": val}, 2, slots=2, slot_bytes=size)
     try:
         held = [loader.submit(b, s) for b, s in zip(batches[:2], shapes[:2])]
         with ThreadPoolExecutor(1) as t:  # both slots held: a third submit waits for a release
@@ -304,6 +308,10 @@ def test_loader_processes_give_the_batches_collated_here(tiny_packed):
             here, there = collate(split, b, s), loader.submit(b, s).result()
             assert all(torch.equal(here[k], there[k]) for k in here)
             loader.release(there)
+        for b, s in zip(val_batches, val_shapes):  # the val split through the same workers (per-epoch validation)
+            here, there = collate(val, b, s), loader.submit(b, s, "val").result()
+            assert all(torch.equal(here[k], there[k]) for k in here)
+            loader.release(there)
         with pytest.raises(IndexError):
             loader.submit([len(split) + 5], shapes[0]).result()
         assert loader.free.qsize() == 2
@@ -313,7 +321,8 @@ def test_loader_processes_give_the_batches_collated_here(tiny_packed):
 
 def test_training_from_loader_processes_equals_training_in_process(tiny_packed, tmp_path):
     """The trainer's steps from slot-backed batches (copied off, then their slots handed back, more
-    steps than slots) give the same weights, bit for bit, as batches collated in the process."""
+    steps than slots) give the same weights, bit for bit, as batches collated in the process, and the
+    same per-epoch validation, read through the same workers."""
     from eaglenest.drafter.train import Trainer
     from eaglenest.drafter.train_config import TrainConfig
     from eaglenest.target import load_target
@@ -324,12 +333,13 @@ def test_training_from_loader_processes_equals_training_in_process(tiny_packed, 
             tiny_packed / "data/packed", tiny_packed / "data/hidden", load_target(tiny_packed / "data/target"), cfg,
             tmp_path / f"w{workers}",
         )  # fmt: skip
-        t.fit(progress=False)
+        out = t.fit(progress=False)
         assert workers == 0 or t.loader.free.qsize() == (t.ahead + 1) * cfg.micro_batches  # all handed back
-        return t.model.state_dict()
+        return t.model.state_dict(), [e["val"] for e in out["epochs"]]
 
-    here, there = weights(0), weights(1)
+    (here, val_here), (there, val_there) = weights(0), weights(1)
     assert all(torch.equal(here[k], there[k]) for k in here)
+    assert len(val_here) == 2 and val_here == val_there
 
 
 def test_a_store_gone_or_changed_since_pack_is_named_with_its_fix(tiny_packed, tmp_path):

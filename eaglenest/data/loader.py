@@ -25,9 +25,10 @@ ALIGN = 4096
 _worker: dict = {}  # a worker's open split and its view of the slots
 
 
-def _init(packed: str, hidden_dir: str, slots: torch.Tensor, slot_bytes: int) -> None:
+def _init(packed: str, hidden_dir: str, names: list[str], slots: torch.Tensor, slot_bytes: int) -> None:
     torch.set_num_threads(1)  # a worker reads; the trainer's process computes
-    _worker.update(split=PackedSplit(Path(packed), "train", Path(hidden_dir)), slots=slots.numpy(), size=slot_bytes)
+    splits = {n: PackedSplit(Path(packed), n, Path(hidden_dir)) for n in names}
+    _worker.update(splits=splits, slots=slots.numpy(), size=slot_bytes)
 
 
 def _nbytes(dtype: np.dtype, shape: tuple) -> int:
@@ -52,8 +53,8 @@ def layout_bytes(layout: dict) -> int:
     return sum(_aligned(_nbytes(d, s)) for d, s in layout.values())
 
 
-def _collate(idx: list[int], shape: tuple[int, int], slot: int) -> None:
-    split, size = _worker["split"], _worker["size"]
+def _collate(name: str, idx: list[int], shape: tuple[int, int], slot: int) -> None:
+    split, size = _worker["splits"][name], _worker["size"]
     layout = batch_layout(split, *shape)
     buf = _worker["slots"][slot * size : slot * size + layout_bytes(layout)]
     buf[:] = 0
@@ -67,15 +68,23 @@ class SlotBatch(dict):
 
 
 class BatchLoader:
-    """`submit(idx, shape)` -> a future of the train split's collated batch (torch tensors).
+    """`submit(idx, shape, split)` -> a future of that split's collated batch (torch tensors); `splits`
+    names the packed splits it reads (train, and val: the per-epoch validation reads through the
+    workers too, or it costs a GPU run ~15 s of one process's reading every epoch).
 
     With workers: `slots` buffers of `slot_bytes` each; a submit waits for a free one, and every batch
     it gives must be `release`d once copied off (the trainer holds at most `slots` at once)."""
 
     def __init__(
-        self, packed: Path, hidden_dir: Path, split: PackedSplit, workers: int, slots: int = 0, slot_bytes: int = 0
+        self,
+        packed: Path,
+        hidden_dir: Path,
+        splits: dict[str, PackedSplit],
+        workers: int,
+        slots: int = 0,
+        slot_bytes: int = 0,
     ):
-        self.split, self.pool, self.pinned = split, None, False
+        self.splits, self.pool, self.pinned = splits, None, False
         if workers <= 0:
             return
         self.size = -(-slot_bytes // ALIGN) * ALIGN
@@ -92,15 +101,15 @@ class BatchLoader:
             workers,
             mp_context=mp.get_context("spawn"),
             initializer=_init,
-            initargs=(str(packed), str(hidden_dir), self.buf, self.size),
+            initargs=(str(packed), str(hidden_dir), list(splits), self.buf, self.size),
         )
 
-    def submit(self, idx: list[int], shape: tuple[int, int]) -> Future:
+    def submit(self, idx: list[int], shape: tuple[int, int], split: str = "train") -> Future:
         if self.pool is None:
             done = Future()
-            done.set_result(collate(self.split, idx, shape))
+            done.set_result(collate(self.splits[split], idx, shape))
             return done
-        layout = batch_layout(self.split, *shape)
+        layout = batch_layout(self.splits[split], *shape)
         if layout_bytes(layout) > self.size:
             raise EaglenestError(f"a batch of shape {shape} does not fit a loader slot of {self.size} bytes")
         slot, copied = self.free.get()
@@ -118,7 +127,7 @@ class BatchLoader:
             batch.slot = slot
             out.set_result(batch)
 
-        self.pool.submit(_collate, idx, shape, slot).add_done_callback(done)
+        self.pool.submit(_collate, split, idx, shape, slot).add_done_callback(done)
         return out
 
     def release(self, batch: dict) -> None:

@@ -30,7 +30,6 @@ from eaglenest.data.packed import (
     batch_layout,
     batch_shape,
     bucket_width,
-    collate,
     decode_states,
     epoch_batches,
     load_vocab,
@@ -82,7 +81,9 @@ class Trainer:
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.train_split, self.val_split = PackedSplit(packed, "train", stores), PackedSplit(packed, "val", stores)
-        self.loader = BatchLoader(self.packed, self.stores, self.train_split, 0)  # `fit` starts its workers
+        self.splits = {"train": self.train_split, "val": self.val_split}
+        self.loader = BatchLoader(self.packed, self.stores, self.splits, 0)  # `fit` starts its workers
+        self.threads, self.ahead = None, 1  # `fit`'s loading threads and how many steps they run ahead
         man = self.train_split.manifest
         if man["target_fingerprint"] != target.fingerprint:
             raise EaglenestError(
@@ -177,9 +178,6 @@ class Trainer:
     def batches(self, split: PackedSplit, epoch: int) -> list[list[int]]:
         return epoch_batches(split, epoch, self.cfg.seed, self.cfg.batch_tokens, self.bucket)
 
-    def collate(self, split: PackedSplit, idx: list[int]) -> dict:
-        return collate(split, idx, batch_shape([split.length(i) for i in idx], self.bucket, self.cfg.batch_tokens))
-
     def _to_dev(self, b: dict) -> dict:
         # hidden states arrive as stored (bf16 bits or fp8 + scales) and are decoded on the device;
         # master math is fp32 (autocast, when on, picks bf16 kernels)
@@ -188,30 +186,37 @@ class Trainer:
         b = decode_states(on, self.train_split.states)
         return {k: v.float() if v.is_floating_point() else v for k, v in b.items()}
 
-    def load_step(self, micro: list[list[int]]) -> tuple[list, list[dict]]:
-        """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's
-        global mask counts): `fit` runs it for the next step while the GPU computes this one."""
-        denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
-        mine = micro[self.rank :: self.world]
-        shapes = [
-            batch_shape([self.train_split.length(i) for i in mb], self.bucket, self.cfg.batch_tokens) for mb in mine
-        ]
-        batches = [f.result() for f in [self.loader.submit(mb, shape) for mb, shape in zip(mine, shapes)]]
+    def fetch(self, mbs: list[list[int]], split: str = "train") -> list[dict]:
+        """Collated micro-batches `mbs` of `split` from the loader, pinned on CUDA."""
+        sp = self.splits[split]
+        shapes = [batch_shape([sp.length(i) for i in mb], self.bucket, self.cfg.batch_tokens) for mb in mbs]
+        batches = [f.result() for f in [self.loader.submit(mb, shape, split) for mb, shape in zip(mbs, shapes)]]
         if self.device.type == "cuda" and not self.loader.pinned:
             pinned = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
             for b in batches:
                 self.loader.release(b)
             batches = pinned
-        return denom, batches
+        return batches
 
-    def prefetched(self, steps: list, loader: ThreadPoolExecutor, ahead: int = 1):
-        """(micro, loaded) per step; the next `ahead` steps' `load_step` run in `loader` meanwhile
-        (with loader processes, one a worker: a step's sample can take a core 0.1 s to read)."""
-        pending = deque(loader.submit(self.load_step, m) for m in steps[:ahead])
+    def load_step(self, micro: list[list[int]]) -> tuple[list, list[dict]]:
+        """Host side of a step (this rank's collated micro-batches, pinned on CUDA, and the step's
+        global mask counts): `fit` runs it for the next step while the GPU computes this one."""
+        denom = step_counts(self.train_split, [i for mb in micro for i in mb], self.K).tolist()
+        return denom, self.fetch(micro[self.rank :: self.world])
+
+    def prefetched(self, steps: list, loader: ThreadPoolExecutor | None, ahead: int = 1, load=None):
+        """(step, load(step)) per step, `load_step` by default; the next `ahead` steps' loads run in
+        `loader` meanwhile (with loader processes, one a worker: a step's sample can take a core 0.1 s
+        to read). No `loader`: each is loaded when its turn comes."""
+        load = load or self.load_step
+        if loader is None:
+            yield from ((m, load(m)) for m in steps)
+            return
+        pending = deque(loader.submit(load, m) for m in steps[:ahead])
         for s, micro in enumerate(steps):
             loaded = pending.popleft().result()
             if s + ahead < len(steps):
-                pending.append(loader.submit(self.load_step, steps[s + ahead]))
+                pending.append(loader.submit(load, steps[s + ahead]))
             yield micro, loaded
 
     def train_step(self, micro: list[list[int]], loaded: tuple | None = None) -> torch.Tensor:
@@ -238,12 +243,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         stats = torch.zeros(self.K, 3, device=self.device)
-        batches = self.batches(self.val_split, 0)
-        for mb in batches[self.rank :: self.world]:
+        mine = self.batches(self.val_split, 0)[self.rank :: self.world]
+        for _, (b,) in self.prefetched(mine, self.threads, self.ahead, lambda mb: self.fetch([mb], "val")):
             with self.autocast:
                 _, st = ttt_loss(
                     self.model,
-                    self._to_dev(self.collate(self.val_split, mb)),
+                    self._to_dev(b),
                     self.embed,
                     self.head_sel,
                     self.K,
@@ -267,6 +272,7 @@ class Trainer:
             disable=not progress or self.rank != 0,
         )
         loader = ThreadPoolExecutor(self.start_loader(self.cfg.loader_workers), thread_name_prefix="batch-loader")
+        self.threads = loader
         if not self.loader.pool:  # read here: the states once a run if they fit a quarter of the free memory
             for split in (self.train_split, self.val_split):
                 split.keep_in_memory(host_memory.available() // 4)
@@ -276,6 +282,7 @@ class Trainer:
         finally:
             loader.shutdown(wait=True, cancel_futures=True)
             self.loader.close()
+            self.threads = None
 
     def start_loader(self, workers: int | str) -> int:
         """Start `workers` loader processes (auto: `auto_loader_workers` on CUDA, none on the CPU) with
@@ -297,7 +304,7 @@ class Trainer:
                 raise EaglenestError(f"train.loader_workers {workers}: {need}; set it to 0 or free /dev/shm")
             log.warning("no loader processes: %s", need)
             workers, self.ahead = 0, 1
-        self.loader = BatchLoader(self.packed, self.stores, self.train_split, workers, (self.ahead + 1) * m, size)
+        self.loader = BatchLoader(self.packed, self.stores, self.splits, workers, (self.ahead + 1) * m, size)
         log.info(
             "training batches read from the stores by %s",
             f"{workers} loader processes, {self.ahead} steps ahead, {(self.ahead + 1) * m} slots of "
