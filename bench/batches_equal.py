@@ -32,8 +32,14 @@ from eaglenest.target import load_heads, load_target
 ws = Path(ws)
 target = load_target(ws / "data/target")
 packed = ws / f"packed-{kind}"
-pack(["a", "b"], ws / "data/hidden", ws / "data/tokenized", packed, lm_head=load_heads(target)["lm_head"],
-     draft_vocab_size=48, val_fraction=0.15, shard_mb=0.05, progress=False)
+if kind == "old":
+    pack(["a", "b"], ws / "data/hidden", ws / "data/tokenized", packed, lm_head=load_heads(target)["lm_head"],
+         draft_vocab_size=48, val_fraction=0.15, shard_mb=0.05, progress=False)
+else:  # pack reads no state: the teacher's argmax per part first
+    from eaglenest.data.teacher import teach_parts
+    teach_parts(["a", "b"], ws / "data/hidden", ws / "data/tokenized", ws / "teacher", load_heads(target)["lm_head"],
+                progress=False)
+    pack(["a", "b"], ws / "data/hidden", ws / "data/tokenized", ws / "teacher", packed, 48, 0.15)
 dump = {}
 for name in ("train", "val"):
     split = PackedSplit(packed, name) if kind == "old" else PackedSplit(packed, name, ws / "data/hidden")

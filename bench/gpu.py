@@ -437,21 +437,13 @@ def bench_loader(res, target):
 
     from eaglenest.data.pack import pack
     from eaglenest.data.packed import PackedSplit, collate
+    from eaglenest.data.teacher import teach_parts
     from eaglenest.target import load_heads
 
     t = time.time()
-    pack(
-        [LOADER_PART],
-        OUT / "hidden",
-        OUT / "tokenized",
-        OUT / "packed",
-        lm_head=load_heads(target)["lm_head"],
-        draft_vocab_size=32000,
-        val_fraction=0.05,
-        shard_mb=256,
-        progress=False,
-        device="cuda",
-    )
+    head = load_heads(target)["lm_head"]
+    teach_parts([LOADER_PART], OUT / "hidden", OUT / "tokenized", OUT / "teacher", head, device="cuda", progress=False)
+    pack([LOADER_PART], OUT / "hidden", OUT / "tokenized", OUT / "teacher", OUT / "packed", 32000, 0.05)
     res["pack_s"] = round(time.time() - t, 1)
     split = PackedSplit(OUT / "packed", "train", OUT / "hidden")
     idx = list(range(len(split)))

@@ -83,6 +83,7 @@ def train_new(target, states: str, steps: int, workers: int) -> dict:
     import torch
 
     from eaglenest.data.pack import pack
+    from eaglenest.data.teacher import teach_parts
     from eaglenest.drafter.train import Trainer
     from eaglenest.drafter.train_config import TrainConfig
     from eaglenest.target import load_heads
@@ -90,8 +91,9 @@ def train_new(target, states: str, steps: int, workers: int) -> dict:
 
     hidden, packed = WS / states / "hidden", WS / states / "packed"
     t = time.time()
-    figures = pack(["p"], hidden, WS / "tokenized", packed, lm_head=load_heads(target)["lm_head"],
-                   draft_vocab_size=32000, val_fraction=0.05, shard_mb=256, progress=False, device="cuda")  # fmt: skip
+    teach_parts(["p"], hidden, WS / "tokenized", WS / states / "teacher", load_heads(target)["lm_head"],
+                device="cuda", progress=False)  # fmt: skip
+    figures = pack(["p"], hidden, WS / "tokenized", WS / states / "teacher", packed, 32000, 0.05)
     pack_s = time.time() - t
     cfg = TrainConfig.from_params(
         {**_params.load("train"), "ttt_steps": 7, "batch_tokens": T, "micro_batches": 1, "device": "cuda"}

@@ -119,6 +119,7 @@ def run_all(args):
     import torch
 
     from eaglenest.data.pack import pack
+    from eaglenest.data.teacher import teach_parts
     from eaglenest.store.hidden_store import HiddenStore
     from eaglenest.target import load_heads, load_target
 
@@ -157,17 +158,9 @@ def run_all(args):
     res["extract_tok_s_one_gpu"] = round(tokens / res["extract_one_gpu_s"], 1)
     res["extract_tok_s_two_gpus"] = round(tokens / res["extract_two_gpus_s"], 1)
     t = time.time()
-    pack(
-        ["p0", "p1"],
-        OUT / "one",
-        OUT / "tokenized",
-        OUT / "packed",
-        lm_head=load_heads(load_target(OUT / "target"))["lm_head"],
-        draft_vocab_size=8192,
-        val_fraction=0.05,
-        progress=False,
-        device="cuda",
-    )
+    head = load_heads(load_target(OUT / "target"))["lm_head"]
+    teach_parts(["p0", "p1"], OUT / "one", OUT / "tokenized", OUT / "teacher", head, device="cuda", progress=False)
+    pack(["p0", "p1"], OUT / "one", OUT / "tokenized", OUT / "teacher", OUT / "packed", 8192, 0.05)
     res["pack_s"] = round(time.time() - t, 2)
     for n in (1, args.gpus):
         subprocess.run(

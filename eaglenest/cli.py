@@ -175,6 +175,7 @@ def cmd_plan(args) -> int:
         tokens = f"{v['tokens']:>12,} tokens" if v["tokens"] is not None else "not tokenized yet".rjust(19)
         print(f"  {part:24s} {tokens}   store {size(v['store_bytes']) if v['store_bytes'] is not None else '?':>9}")
     print(f"  {'stores':24s} {'':19s}         {size(out['stores_bytes']):>9}")
+    print(f"  {'teacher':24s} {'':19s}         {size(out['teacher_bytes']):>9}   (the target's argmax, 4 B a token)")
     print(f"  {'pack':24s} {'':19s}         {size(out['pack_bytes']):>9}   (tokens and an index: no state copied)")
     cache = "a copy of every output" if out["dvc_cache_bytes"] else "links, no second copy: cache.type"
     print(f"  {'DVC cache':24s} {'':19s}         {size(out['dvc_cache_bytes']):>9}   ({cache})")

@@ -20,6 +20,7 @@ from eaglenest.store import states as state_format
 DEFAULT_RATIO = 1.0  # no compression assumed before a store of the format exists to measure it by
 PACK_TOKEN_BYTES = 6  # pack's per-token arrays (input id, loss mask, in-vocabulary): no state is copied
 PACK_SAMPLE_BYTES = 100  # per sample: its row of pack's index and its offset
+TEACHER_TOKEN_BYTES = 4  # the teacher's argmax per token (int32, data/teacher/<part>)
 
 
 def row_bytes(states: str, n_aux: int, hidden: int) -> int:
@@ -125,7 +126,7 @@ def for_config(config_json: Path, tokens: int, n_aux: int = 3, ratio: float = DE
     for states in state_format.FORMATS:
         shape = Shape.from_config(config_json, n_aux, states)
         out[states] = {"row_bytes": shape.row, "store_bytes": store_bytes(tokens, shape, ratio),
-                       "pack_bytes": pack_bytes(tokens)}  # fmt: skip
+                       "pack_bytes": pack_bytes(tokens), "teacher_bytes": tokens * TEACHER_TOKEN_BYTES}  # fmt: skip
     return out
 
 
@@ -163,7 +164,10 @@ def for_params(params: dict, repo: Path) -> dict:
         "untokenized": [p for p, v in parts.items() if v["tokens"] is None],
         "stores_bytes": stores,
         "pack_bytes": pack_bytes(tokens, samples),
-        "dvc_cache_bytes": stores + pack_bytes(tokens, samples) if dvc_cache_copies(repo) else 0,
+        "teacher_bytes": tokens * TEACHER_TOKEN_BYTES,
+        "dvc_cache_bytes": stores + pack_bytes(tokens, samples) + tokens * TEACHER_TOKEN_BYTES
+        if dvc_cache_copies(repo)
+        else 0,
         "free_bytes": shutil.disk_usage(_filesystem(repo / "data")[1]).free,
         "extract_hours": round(tokens / (sum(rates) / len(rates)) / 3600, 2) if rates and tokens else None,
     }

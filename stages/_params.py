@@ -157,12 +157,14 @@ SCHEMA = {
         "reference": _one_of("auto", "whole", "streamed"),
         "reference_memory_gb": _either(_one_of("auto"), _num(0, lo_open=True), what="auto or a number of GB > 0"),
     },
+    "teacher": {
+        "device": DEVICE,
+        "workers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
+        "unit_mb": _num(0, lo_open=True),
+    },
     "pack": {
         "draft_vocab_size": _int(2),
         "val_fraction": _num(0, 0.99),
-        "shard_mb": _num(0, lo_open=True),
-        "device": DEVICE,
-        "workers": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
     },
     "train": {
         "epochs": POS,
@@ -240,5 +242,5 @@ def load(section: str | None = None) -> dict:
 
 
 def workers(value) -> int:
-    """A stage's worker processes (pack.workers, tokenize.workers): auto = cores, max 16."""
+    """A stage's worker processes (teacher.workers, tokenize.workers): auto = cores, max 16."""
     return min(os.cpu_count() or 1, 16) if value == "auto" else int(value)

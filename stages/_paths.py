@@ -8,6 +8,7 @@ PACKED = Path("data/packed")
 DRAFTER = Path("data/drafter")
 HIDDEN = Path("data/hidden")
 TOKENIZED = Path("data/tokenized")
+TEACHER = Path("data/teacher")
 DIGESTS = Path(".eaglenest/digests.json")  # the target's file digests by stat (not a DVC output: a cache)
 
 
@@ -26,6 +27,11 @@ def tokenized(name: str) -> Path:
 
 def hidden(name: str) -> Path:
     return HIDDEN / name
+
+
+def teacher(name: str) -> Path:
+    """A part's teacher argmax (stages/teacher.py): what pack needs of its states."""
+    return TEACHER / name
 
 
 def metrics(stage: str, ext: str = "json") -> Path:

@@ -1,10 +1,8 @@
-"""Stage `pack`: every part's store -> draft vocabulary, train/val split, tokens and an index into the
-stores (data/packed). No state is copied: training reads the states from the stores.
+"""Stage `pack`: every part's store index, loss masks and teacher argmax (`teacher@<part>`) -> draft
+vocabulary, train/val split, tokens and an index into the stores (data/packed). No state is read
+or copied: training reads the states from the stores.
 
-python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction, pack.shard_mb:
-                            the states read per unit of work; untracked: pack.device, where the
-                            teacher's argmax over the vocabulary is computed, and pack.workers,
-                            processes reading the stores: auto = cores, max 16)
+python -m stages.pack      (params: data.parts, pack.draft_vocab_size, pack.val_fraction)
 Writes metrics/data.json (pack's and the stores' bytes, in MB) and reports/pack.json (the split,
 the tokens, the draft vocabulary's coverage, and each part's headline figures from its stages'
 reports: samples, truncated and skipped, turns regenerated, the validation gate's worst figures).
@@ -18,7 +16,6 @@ from eaglenest.atomic import write_json
 from eaglenest.data.pack import pack
 from eaglenest.errors import exit_on_error
 from eaglenest.made_on import made_on
-from eaglenest.target import load_heads, load_target, pick_device
 
 from . import _params
 from . import _paths as paths
@@ -29,27 +26,21 @@ log = logging.getLogger("stages.pack")
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--no-progress", action="store_true", help="accepted for symmetry; pack reads no states")
+    ap.parse_args(argv)
     params = _params.load()
     p, parts = params["pack"], params["data"]["parts"]
-    target = load_target(paths.TARGET)
     headlines = {part: part_headline(part) for part in parts}
-    device = pick_device(p["device"])
     figures = pack(
         parts,
         paths.HIDDEN,
         paths.TOKENIZED,
+        paths.TEACHER,
         paths.PACKED,
-        lm_head=load_heads(target)["lm_head"],
         draft_vocab_size=int(p["draft_vocab_size"]),
         val_fraction=float(p["val_fraction"]),
-        shard_mb=float(p["shard_mb"]),
-        progress=not args.no_progress,
-        device=device,
-        workers=_params.workers(p["workers"]),
     )
-    made = made_on(device)
+    made = made_on("cpu")
     # each state is stored once: pack's bytes beside the stores' (the rest: reports/pack.json)
     sizes = {"pack_mb": round(figures["pack_bytes"] / 1e6, 2), "stores_mb": round(figures["store_bytes"] / 1e6, 1)}
     write_json(paths.metrics("data"), {**sizes, **made})

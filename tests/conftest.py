@@ -134,6 +134,7 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
     """Two parts of random token sequences extracted from the tiny target (states in `states`)
     and packed; returns a stage workspace holding data/target and data/packed."""
     from eaglenest.data.pack import pack
+    from eaglenest.data.teacher import teach_parts
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
     from eaglenest.taps import resolve_taps
@@ -163,17 +164,10 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
             max_seq_len=64,
             progress=False,
         )
-    pack(
-        ["a", "b"],
-        ws / "data" / "hidden",
-        ws / "data" / "tokenized",
-        ws / "data" / "packed",
-        lm_head=load_heads(tiny_target)["lm_head"],
-        draft_vocab_size=48,
-        val_fraction=0.15,
-        shard_mb=0.05,
-        progress=False,
-    )
+    data = ws / "data"
+    teach_parts(["a", "b"], data / "hidden", data / "tokenized", data / "teacher", load_heads(tiny_target)["lm_head"],
+                unit_mb=0.05, progress=False)  # fmt: skip
+    pack(["a", "b"], data / "hidden", data / "tokenized", data / "teacher", data / "packed", 48, 0.15)
     return ws
 
 
@@ -189,13 +183,8 @@ def pack_workspace(tiny_packed: Path, dst: Path, workers: int = 1) -> Path:
     shutil.copytree(tiny_packed, dst, symlinks=True)
     params = yaml.safe_load((dst / "params.yaml").read_text())
     params["data"] = {"parts": ["a", "b"]}
-    params["pack"] = {
-        "draft_vocab_size": 48,
-        "val_fraction": 0.15,
-        "shard_mb": 0.05,
-        "device": "cpu",
-        "workers": workers,
-    }
+    params["pack"] = {"draft_vocab_size": 48, "val_fraction": 0.15}
+    params["teacher"] = {"device": "cpu", "workers": workers, "unit_mb": 0.05}
     (dst / "params.yaml").write_text(yaml.safe_dump(params))
     return dst
 

@@ -5,6 +5,7 @@ missing shard file is named with the samples it held; a failed stage leaves no t
 import json
 import shutil
 
+import pyarrow as pa
 import pytest
 
 from eaglenest.data.conversations import read_jsonl
@@ -80,16 +81,45 @@ def test_a_missing_shard_file_is_named_with_the_samples_it_held(store, tmp_path)
     assert p.returncode == 1 and str(gone) in p.stdout and "1 bad" in p.stderr
 
 
-def test_a_failed_pack_leaves_no_temporary_directory(tiny_packed, tmp_path):
+def test_a_failed_teacher_leaves_no_temporary_directory(tiny_packed, tmp_path):
     ws = pack_workspace(tiny_packed, tmp_path / "ws")
-    before = sorted(str(p.relative_to(ws)) for p in (ws / "data/packed").rglob("*"))
+    before = (ws / "data/teacher/b/argmax.npy").read_bytes()
     s = HiddenStore(ws / "data/hidden/b")
     s.shard_file("aux", s.index[-1]["piece"]).unlink()
-    p = run_py(["-m", "stages.pack", "--no-progress"], cwd=ws, check=False)
+    p = run_py(["-m", "stages.teacher", "b", "--no-progress"], cwd=ws, check=False)
     assert_fails_naming(p, "data/hidden/b")
     assert "missing: it held samples" in p.stderr
-    assert not (ws / "data/packed.tmp").exists() and not list(ws.rglob("*.tmp"))
-    assert sorted(str(p.relative_to(ws)) for p in (ws / "data/packed").rglob("*")) == before  # the old pack stays
+    assert not (ws / "data/teacher/b.tmp").exists() and not list(ws.rglob("*.tmp"))
+    assert (ws / "data/teacher/b/argmax.npy").read_bytes() == before  # the old output stays
+
+
+@pytest.mark.parametrize("case", ["missing", "other store", "other tokens"])
+def test_pack_refuses_a_teacher_output_that_does_not_match_its_part(tiny_packed, tmp_path, case):
+    """pack reads no state: it trusts a part's teacher argmax only when it was computed for the store
+    and the token ids there now; otherwise one line naming the part and the command that fixes it,
+    and the old pack stays."""
+    import pyarrow.parquet as pq
+
+    ws = pack_workspace(tiny_packed, tmp_path / "ws")
+    before = sorted((str(p.relative_to(ws)), p.read_bytes()) for p in (ws / "data/packed").rglob("*") if p.is_file())
+    if case == "missing":
+        shutil.rmtree(ws / "data/teacher/a")
+        want = "part a: data/teacher/a is missing or unreadable"
+    elif case == "other store":  # another part's teacher output where part a's was
+        shutil.rmtree(ws / "data/teacher/a")
+        shutil.copytree(ws / "data/teacher/b", ws / "data/teacher/a")
+        want = "part a: data/teacher/a was computed for another store"
+    else:  # the tokenized part changed under an unchanged store: a token id differs
+        t = pq.read_table(ws / "data/tokenized/a.parquet").to_pylist()
+        t[0]["input_ids"][1] = (t[0]["input_ids"][1] + 1) % 64
+        pq.write_table(pa.Table.from_pylist(t, schema=pq.read_schema(ws / "data/tokenized/a.parquet")),
+                       ws / "data/tokenized/a.parquet")  # fmt: skip
+        want = "part a: the tokenized part's token ids differ"
+    p = run_py(["-m", "stages.pack", "--no-progress"], cwd=ws, check=False)
+    assert_fails_naming(p, want)
+    assert "dvc repro" in p.stderr.strip().splitlines()[-1]
+    after = sorted((str(p.relative_to(ws)), p.read_bytes()) for p in (ws / "data/packed").rglob("*") if p.is_file())
+    assert after == before and not list(ws.rglob("*.tmp"))
 
 
 GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

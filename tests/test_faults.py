@@ -54,7 +54,9 @@ def test_twenty_random_sigkills_then_resume(smollm2, tmp_path):
     assert [(r["key"], r["digest"]) for r in store.index] == [(r["key"], r["digest"]) for r in ref.index]
 
 
-def test_flipped_byte_anywhere_is_named_and_stops_pack(tiny_packed, tmp_path):
+def test_flipped_byte_anywhere_is_named_and_stops_the_teacher(tiny_packed, tmp_path):
+    """The teacher stage is the one read of a part's states before training: a flipped byte anywhere
+    in the store fails it (exit 2) naming the store, and its earlier output stays as it was."""
     ws = pack_workspace(tiny_packed, tmp_path / "ws", workers=2)
     store = ws / "data/hidden/a"
     files = sorted(p for p in store.rglob("*") if p.is_file())
@@ -67,7 +69,9 @@ def test_flipped_byte_anywhere_is_named_and_stops_pack(tiny_packed, tmp_path):
         bad = verify_store(store, progress=False)
         assert bad, f"flip at {where} went unnoticed"
         assert all(str(store) in b for b in bad), where
-        p = run_py(["-m", "stages.pack", "--no-progress"], cwd=ws, check=False)
+        p = run_py(["-m", "stages.teacher", "a", "--no-progress"], cwd=ws, check=False)
         assert p.returncode == 2 and "data/hidden/a" in p.stderr, (where, p.stderr[-1500:])
+        kept = ws / "data/teacher/a/argmax.npy"
+        assert kept.read_bytes() == (tiny_packed / "data/teacher/a/argmax.npy").read_bytes()
         f.write_bytes(original)
     assert verify_store(store, progress=False) == []

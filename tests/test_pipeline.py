@@ -40,6 +40,8 @@ def test_repro_to_validated_stores_then_noop(built):
         "tokenize@tiny-b",
         "extract@tiny-a",
         "extract@tiny-b",
+        "teacher@tiny-a",
+        "teacher@tiny-b",
         "pack",
         "train",
         "evaluate",

@@ -71,7 +71,7 @@ def test_push_then_pull_into_fresh_clone_runs_no_extraction(produced, remote, tm
         assert tree_digest(b / "data/hidden" / part) == tree_digest(a / "data/hidden" / part)
     assert "up to date" in sh("dvc status pack", b).stdout
     out = sh("dvc repro pack", b, env_extra=env).stdout
-    assert not {s for s in ran(out) if s.startswith(("extract", "tokenize", "target"))}, out
+    assert not {s for s in ran(out) if s.startswith(("extract", "teacher", "tokenize", "target"))}, out
 
 
 @pytest.mark.parametrize("remote", ["s3"], indirect=True)
@@ -89,9 +89,9 @@ def test_parts_extracted_on_two_machines_meet_in_a_third_clone(remote, smollm2, 
         sh(f"git clone -q {origin} {repo}", tmp_path)
         for c in local:
             sh(c, repo)
-        out = sh(f"dvc repro extract@{part}", repo, env_extra=env).stdout
-        assert f"extract@{part}" in ran(out) and not {
-            s for s in ran(out) if s.startswith("extract@m-") and part not in s
+        out = sh(f"dvc repro teacher@{part}", repo, env_extra=env).stdout  # every read of the part's states
+        assert {f"extract@{part}", f"teacher@{part}"} <= ran(out) and not {
+            s for s in ran(out) if s.startswith(("extract@m-", "teacher@m-")) and part not in s
         }
         sh("dvc push --run-cache", repo, env_extra=env)
         machines[part] = repo

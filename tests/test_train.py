@@ -57,24 +57,21 @@ def test_pack_layout_and_vocab(tiny_packed):
             assert len(got["loss_mask"]) == len(got["in_vocab"]) == n
 
 
-def test_pack_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_target, tmp_path):
-    """Units of work are planned before any read, so 3 reader processes give the 1-process bytes exactly."""
+def test_teacher_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_target, tmp_path):
+    """Units of work are planned before any read, so 3 reader processes give the 1-process bytes
+    exactly, and pack reads no state: its output from them is the fixture's, byte for byte."""
     from eaglenest.data.pack import pack
+    from eaglenest.data.teacher import teach_parts
     from eaglenest.target import load_heads
 
     data = tiny_packed / "data"
-    metrics = pack(
-        ["a", "b"],
-        data / "hidden",
-        data / "tokenized",
-        tmp_path / "packed",
-        lm_head=load_heads(tiny_target)["lm_head"],
-        draft_vocab_size=48,
-        val_fraction=0.15,
-        shard_mb=0.05,
-        progress=False,
-        workers=3,
-    )
+    head = load_heads(tiny_target)["lm_head"]
+    teach_parts(["a", "b"], data / "hidden", data / "tokenized", tmp_path / "teacher", head, workers=3,
+                unit_mb=0.05, progress=False)  # fmt: skip
+    for part in ("a", "b"):
+        for f in ("argmax.npy", "manifest.json"):
+            assert (tmp_path / "teacher" / part / f).read_bytes() == (data / "teacher" / part / f).read_bytes()
+    metrics = pack(["a", "b"], data / "hidden", data / "tokenized", tmp_path / "teacher", tmp_path / "packed", 48, 0.15)
     ref = sorted(p.relative_to(data / "packed") for p in (data / "packed").rglob("*") if p.is_file())
     got = sorted(p.relative_to(tmp_path / "packed") for p in (tmp_path / "packed").rglob("*") if p.is_file())
     assert got == ref and len([p for p in ref if p.name == "offsets.npy"]) == 2  # train and val

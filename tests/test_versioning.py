@@ -46,7 +46,7 @@ def test_add_a_part_extracts_only_that_part(repo, tmp_path):
     params = tiny_params(PARTS, per_part=3, local_target=True)
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout
-    assert ran(out) == {"sharegpt@v-c", "generate@v-c", "tokenize@v-c", "extract@v-c", "pack"}
+    assert ran(out) == {"sharegpt@v-c", "generate@v-c", "tokenize@v-c", "extract@v-c", "teacher@v-c", "pack"}
     assert packed_index(repo) == packed_index(clean_rebuild(tmp_path, params))
 
 
@@ -55,7 +55,7 @@ def test_edit_one_part_reruns_only_that_part(repo, tmp_path):
     params["data"]["sharegpt"]["v-b"]["count"] = 2  # the part's content changes
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout
-    assert ran(out) == {"sharegpt@v-b", "generate@v-b", "tokenize@v-b", "extract@v-b", "pack"}
+    assert ran(out) == {"sharegpt@v-b", "generate@v-b", "tokenize@v-b", "extract@v-b", "teacher@v-b", "pack"}
     assert packed_index(repo) == packed_index(clean_rebuild(tmp_path, params))
 
 
@@ -75,7 +75,7 @@ def test_invalidate_by_extractor_fingerprint_and_revision(repo):
     params["extract"]["revision"] = 1
     write_params(repo, params)
     out = sh("dvc repro pack", repo).stdout
-    assert ran(out) == {"extract@v-a", "extract@v-b", "pack"}
+    assert ran(out) == {"extract@v-a", "extract@v-b", "teacher@v-a", "teacher@v-b", "pack"}
     new_fp = HiddenStore(repo / "data/hidden/v-a").attrs["extractor_fingerprint"]
     assert new_fp != fp
     commit(repo, "revision 1")

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
-from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays, samples_digest
+from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays
+from eaglenest.data.teacher import samples_digest
 from eaglenest.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
