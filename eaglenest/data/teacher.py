@@ -91,6 +91,7 @@ def teacher(
             jobs.append(rows)
             rows, filled = [], 0
     jobs += [rows] if rows else []
+    workers = min(workers, len(jobs))  # a process per unit at most: spawning one costs seconds of imports
     setup = (str(store.path), lm_head, device, states)
     out = []
     with tqdm(total=len(store), desc=f"teacher {store.part}", unit="sample", disable=not progress) as bar:
