@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from eaglenest.atomic import replaced_dir, write_json
-from eaglenest.data.teacher import load_teacher, samples_digest
+from eaglenest.data.teacher import load_teacher
 from eaglenest.data.vocab import build_vocab, coverage
 from eaglenest.errors import EaglenestError
 from eaglenest.store import states as state_format
@@ -136,7 +136,7 @@ def pack(
             "vocab_size": int(len(t2d)),
             "draft_vocab_size": int(draft_vocab_size),
             "parts": {s.part: s.attrs["extractor_fingerprint"] for s in stores},
-            "stores": {s.part: {"samples": len(s), "samples_digest": samples_digest(s)} for s in stores},
+            "stores": {s.part: {"samples": len(s), "samples_digest": s.samples_digest()} for s in stores},
             "splits": {split: {"samples": v[0], "tokens": v[1]} for split, v in stats.items()},
             "val_fraction": val_fraction,
         }

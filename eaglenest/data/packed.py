@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays
-from eaglenest.data.teacher import samples_digest
 from eaglenest.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
@@ -30,7 +29,7 @@ def open_indexed_store(hidden_dir: Path, part: str, manifest: dict) -> HiddenSto
     want = manifest["stores"][part]
     if (
         store.attrs.get("extractor_fingerprint") != manifest["parts"][part]
-        or samples_digest(store) != want["samples_digest"]
+        or store.samples_digest() != want["samples_digest"]
     ):
         raise EaglenestError(f"part {part}: {path} is not the store pack indexed (its content changed); {fix}")
     return store

@@ -24,16 +24,10 @@ from tqdm import tqdm
 
 from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.errors import EaglenestError
-from eaglenest.hashing import sha256_text
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
 
 log = logging.getLogger(__name__)
-
-
-def samples_digest(store: HiddenStore) -> str:
-    """A store's content as indexed: the digest of its samples' digests, in its order."""
-    return sha256_text(*(r["digest"] for r in store.index))
 
 
 def ids_digest(ids: list[np.ndarray]) -> str:
@@ -116,7 +110,7 @@ def teacher(
         "vocab_size": int(lm_head.shape[0]),
         "samples": len(store),
         "tokens": int(len(argmax)),
-        "samples_digest": samples_digest(store),
+        "samples_digest": store.samples_digest(),
         "ids_digest": ids_digest(ids),
     }
     with replaced_dir(out_dir) as tmp:  # a failure leaves the old output and no temporary behind
@@ -135,7 +129,7 @@ def load_teacher(out_dir: Path, store: HiddenStore, ids: list[np.ndarray]) -> tu
         argmax = np.load(out_dir / "argmax.npy", mmap_mode="r")
     except (OSError, ValueError) as e:
         raise EaglenestError(f"part {store.part}: {out_dir} is missing or unreadable ({e}); run `{fix}`") from None
-    if manifest.get("samples_digest") != samples_digest(store):
+    if manifest.get("samples_digest") != store.samples_digest():
         raise EaglenestError(
             f"part {store.part}: {out_dir} was computed for another store than {store.path}; run `{fix}`"
         )

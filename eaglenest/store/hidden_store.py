@@ -30,7 +30,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from eaglenest.atomic import replaced_file, write_json
 from eaglenest.errors import EaglenestError
-from eaglenest.hashing import content_digest
+from eaglenest.hashing import content_digest, sha256_text
 from eaglenest.store import states as state_format
 from eaglenest.versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
 
@@ -207,6 +207,11 @@ class HiddenStore:
     @property
     def n_tokens(self) -> int:
         return sum(r["length"] for r in self.index)
+
+    def samples_digest(self) -> str:
+        """The store's content as indexed: the digest of its samples' digests, in its order (what
+        the teacher's output and pack's index were made from)."""
+        return sha256_text(*(r["digest"] for r in self.index))
 
     def shard_file(self, name: str, piece: int) -> Path:
         """The file of array `name` that holds `piece` (the key encoding is the store's own zarr.json's)."""
