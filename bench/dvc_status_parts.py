@@ -9,30 +9,24 @@ times `dvc status pack` (every per-part stage and pack):
   - after checkout: in a `git clone` of it sharing its DVC cache, after `dvc checkout --with-deps
     pack`, the first `dvc status` (a teammate's or another machine's first look), then the next.
 
-`store.shard_mb` is set for each size so that every store holds about `--files` files, the count
-of a quarter of the GPU profile's fp8 stores (4.65 GB in 128 MB shards: ~36 pieces x 3 arrays + 6),
-so the arms differ in bytes only. If status does not grow with bytes at an equal file count, the
-GPU profile's four parts cost what the largest arm here costs. JSON: bench/results/dvc_status_parts.json.
+`store.shard_mb` is set from each arm's token counts so that every store holds at least `--files`
+files, the count of a quarter of the GPU profile's fp8 stores (4.65 GB in 128 MB shards: ~36 pieces
+x 3 arrays + 6); whole samples per piece make it more. The arms differ 4x in bytes: if status does
+not grow with them, bytes are not what it costs. JSON: bench/results/dvc_status_parts.json.
 """
 
 import argparse
 import json
 import shutil
-import time
 from pathlib import Path
 
+from bench.versioning import timed
 from tests.conftest import commit, make_clone, sh, tiny_params, write_params
 
 OUT = Path("bench/out/dvc_status_parts").resolve()
 PARTS = [f"sharegpt-q{i}" for i in range(4)]
 ROW_BYTES = 576 * 2 * 4 + 4  # a token in a SmolLM2-135M bf16 store: three taps, the final state, its id
 STATUS = "dvc status pack"  # every per-part stage and pack; train and evaluate are not run here
-
-
-def timed(cmd: str, cwd: Path) -> tuple[float, str]:
-    t = time.time()
-    p = sh(cmd, cwd)
-    return time.time() - t, p.stdout
 
 
 def store_files(repo: Path) -> tuple[int, int]:
@@ -47,7 +41,7 @@ def arm(size: int, files: int) -> dict:
     params["tokenize"]["max_seq_len"] = 512
     repo = make_clone(root / "a", params)
     sh("dvc repro " + " ".join(f"tokenize@{p}" for p in PARTS), repo)
-    # shard_mb from the parts' own token counts, so every store holds ~`files` files
+    # shard_mb from the parts' own token counts: every store holds at least `files` files
     tokens = max(json.loads((repo / f"reports/tokenize/{p}.json").read_text())["tokens"] for p in PARTS)
     pieces = max(1, (files - 6) // 3)
     params["store"].update(chunk_mb=0.25, shard_mb=round(tokens * ROW_BYTES / pieces / 2**20, 3))
