@@ -2,7 +2,10 @@
 the target, given the conversation so far with the earlier turns already regenerated, so the drafter learns the
 distribution it will be asked to predict. User turns are kept; a conversation that ends in a user
 turn (a synthetic part's prompt, `eaglenest.synthetic`) gets its answer the same way. Turns are generated turn by turn
-(all conversations' first assistant turns in one batched pass, then all second turns, ...).
+(all conversations' first assistant turns in one batched pass, then all second turns, ...). A conversation
+with `follow_ups` (a multi-turn synthetic part) gets, after each answer, a next user message the target
+writes (`eaglenest.synthetic.follow_up_messages`), until `follow_ups.turns` are written or one is
+dropped by the filters: the conversation then ends at its last answer.
 
 A conversation is cut before a turn whose prompt leaves no room under `max_seq_len` (tokenize
 would truncate it away), before a turn whose answer came out empty, and after `max_turns`
@@ -15,6 +18,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from eaglenest.decoding.batch_decode import decode_all
+from eaglenest.synthetic import follow_up_messages
 from eaglenest.target import stop_ids
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,7 @@ def regenerate(
     progress: bool = True,
 ) -> tuple[list[dict], dict]:
     out = [{"id": c["id"], "messages": [dict(m) for m in c["messages"]]} for c in convs]
+    wants = {c["id"]: dict(c["follow_ups"], written=0) for c in convs if c.get("follow_ups", {}).get("turns")}
     prompts = [c for c in out if c["messages"][-1]["role"] == "user"]  # prompt-only: the target answers
     for c in prompts:
         c["messages"].append({"role": "assistant", "content": ""})
@@ -104,10 +109,40 @@ def regenerate(
             stats["generated_tokens"] += len(d.tokens)
             if not d.ended:
                 stats["cut_at_max_tokens" if room == max_new_tokens else "cut_at_context"] += 1
+        # answered conversations that end in this answer (not cut) and want another user turn
+        more = [c for c, i, *_ in jobs if c["id"] in wants and len(c["messages"]) == i + 1]
+        more = [c for c in more if wants[c["id"]]["written"] < wants[c["id"]]["turns"]]
+        if more and not (max_turns and turn + 1 >= max_turns):
+            t0 = time.perf_counter()
+            _follow_up(model, tok, more, wants, turn, max_seq_len, batch_tokens, max_rows, stats, bar)
+            seconds += time.perf_counter() - t0
         turn += 1
     bar.close()
     kept = [c for c in out if any(m["role"] == "assistant" for m in c["messages"])]
     stats["conversations_kept"] = len(kept)
     stats["decode_seconds"] = round(seconds, 2)
-    stats["tokens_per_s"] = round(stats["generated_tokens"] / seconds, 1) if seconds else 0.0
+    decoded = stats["generated_tokens"] + stats["follow_up_tokens"]
+    stats["tokens_per_s"] = round(decoded / seconds, 1) if seconds else 0.0
     return kept, dict(stats)
+
+
+def _follow_up(model, tok, convs, wants, turn, max_seq_len, batch_tokens, max_rows, stats, bar) -> None:
+    """The target writes the next user turn of each conversation (grouped by `follow_ups` settings);
+    a kept one is appended with an empty answer for the next turn, a dropped one is counted."""
+    groups = {}
+    for c in convs:
+        spec = {k: v for k, v in wants[c["id"]].items() if k != "written"}
+        groups.setdefault(tuple(sorted(spec.items())), (spec, []))[1].append(c)
+    bar.set_description(f"generate turn {turn + 1}: follow-up user turns ({len(convs)})")
+    for spec, group in groups.values():
+        for c, (text, why, n) in zip(
+            group, follow_up_messages(model, tok, group, spec, turn, max_seq_len, batch_tokens, max_rows, bar.update)
+        ):
+            stats["follow_up_tokens"] += n
+            if why:
+                stats[f"follow_ups_dropped_{why}"] += 1
+                continue
+            c["messages"] += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+            wants[c["id"]]["written"] += 1
+            stats["follow_ups_written"] += 1
+            stats["assistant_turns"] += 1

@@ -1,7 +1,8 @@
 """Prompts the target writes itself (docs/design.md: Synthetic parts): given its chat template's
 opening of a user turn (after an optional system prompt), the target samples a user message; the
 `generate` stage then answers it by self-distillation. More on-policy data where the human prompts
-run out.
+run out. A part of several turns carries `follow_ups` on each conversation: after each answer,
+`generate` has the target write the next user message the same way (`follow_up_messages`).
 
 Samples are seeded per round, then filtered in order: degenerate text (empty, cut at
 `max_prompt_tokens`, repetition, template tokens inside the message) and duplicates (exact after
@@ -27,12 +28,12 @@ PERMS, BANDS = 64, 16  # MinHash: 16 bands of 4 rows: pairs above ~0.5 Jaccard m
 MAX_ROUNDS = 8
 
 
-def user_turn_opening(tok, system: str | None) -> tuple[str, str]:
-    """(the text before a user message's content, the text right after it) in the chat template."""
+def user_turn_opening(tok, before: list[dict]) -> tuple[str, str]:
+    """(the text before a user message's content, the text right after it) in the chat template, the
+    user turn coming after the messages `before` (none, a system prompt, or a conversation so far)."""
     if not getattr(tok, "chat_template", None):
         raise EaglenestError(f"{tok.name_or_path}: the tokenizer has no chat template to open a user turn with")
-    msgs = [{"role": "system", "content": system}] if system else []
-    text = tok.apply_chat_template([*msgs, {"role": "user", "content": SENTINEL}], tokenize=False)
+    text = tok.apply_chat_template([*before, {"role": "user", "content": SENTINEL}], tokenize=False)
     if text.count(SENTINEL) != 1:
         raise EaglenestError(f"{tok.name_or_path}: the chat template does not render a user message's text once")
     head, tail = text.split(SENTINEL)
@@ -123,7 +124,7 @@ def sample_prompts(
         raise EaglenestError("synthetic prompts need a temperature > 0: greedy decoding writes one prompt")
     if count <= 0:
         raise EaglenestError(f"synthetic count must be > 0, got {count}")
-    head, tail = user_turn_opening(tok, system)
+    head, tail = user_turn_opening(tok, system_messages(system))
     prompt = tok(head, add_special_tokens=False)["input_ids"]
     eos, pad = end_of_turn_ids(model, tok, tail), tok.pad_token_id if tok.pad_token_id is not None else 0
     special = set(tok.all_special_ids) - eos
@@ -164,9 +165,56 @@ def sample_prompts(
     return kept, dict(stats)
 
 
-def conversations(name: str, prompts: list[str], system: str | None) -> list[dict]:
-    """Prompt-only conversations (`generate` answers them), ids <name>-000000..."""
-    sys_msg = [{"role": "system", "content": system}] if system else []
+def system_messages(system: str | None) -> list[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def conversations(name: str, prompts: list[str], system: str | None, follow_ups: dict | None = None) -> list[dict]:
+    """Prompt-only conversations (`generate` answers them), ids <name>-000000...; `follow_ups`
+    (`{turns, temperature, seed, max_tokens, near_duplicate}`) asks generate for more user turns."""
+    extra = {"follow_ups": follow_ups} if follow_ups else {}
     return [
-        {"id": f"{name}-{i:06d}", "messages": [*sys_msg, {"role": "user", "content": p}]} for i, p in enumerate(prompts)
+        {"id": f"{name}-{i:06d}", "messages": [*system_messages(system), {"role": "user", "content": p}], **extra}
+        for i, p in enumerate(prompts)
     ]
+
+
+def follow_up_messages(
+    model,
+    tok,
+    convs: list[dict],
+    spec: dict,
+    turn: int,
+    max_seq_len: int | None = None,
+    batch_tokens: int = 65536,
+    max_rows: int = 256,
+    on_tokens=None,
+) -> list[tuple[str | None, str | None, int]]:
+    """The next user message the target writes after each conversation (each ends in an answer):
+    (text, None, tokens) or (None, why it is unusable, tokens). Sampled at `spec`'s temperature,
+    seeded by (seed, turn); filtered as opening prompts, and a message near an earlier user turn of
+    its own conversation (`spec["near_duplicate"]`) is dropped as `repeats_earlier_turn`."""
+    heads, tails = zip(*(user_turn_opening(tok, c["messages"]) for c in convs))
+    prompts = tok(list(heads), add_special_tokens=False)["input_ids"]
+    eos, pad = end_of_turn_ids(model, tok, tails[0]), tok.pad_token_id if tok.pad_token_id is not None else 0
+    special = set(tok.all_special_ids) - eos
+    limit = max_seq_len if max_seq_len is not None else float("inf")
+    room = [min(spec["max_tokens"], limit - len(p)) for p in prompts]
+    fits = [i for i, r in enumerate(room) if r > 0]
+    done = dict(zip(fits, decode_all(
+        model, [prompts[i] for i in fits], [room[i] for i in fits], eos, pad, spec["temperature"],
+        spec["seed"] * 1_000_003 + 1000 + turn, batch_tokens, max_rows, on_tokens,
+    )))  # fmt: skip
+    out = []
+    for i, c in enumerate(convs):
+        if i not in done:
+            out.append((None, "no_room", 0))
+            continue
+        d = done[i]
+        text = tok.decode(d.tokens, skip_special_tokens=True)
+        why = degenerate(text, d.ended, any(t in special for t in d.tokens))
+        earlier = [shingles(m["content"]) for m in c["messages"] if m["role"] == "user"]
+        if why is None and any(jaccard(shingles(text), g) >= spec["near_duplicate"] for g in earlier):
+            why = "repeats_earlier_turn"
+        out.append((None, why, len(d.tokens)) if why else (text.strip(), None, len(d.tokens)))
+    return out

@@ -5,6 +5,7 @@ that is there (params.yaml is the one home of the defaults: the stages read `p[k
 naming the key. A section may be absent as a whole (a workspace that runs one stage holds its own)."""
 
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -77,7 +78,7 @@ SCHEMA = {
     "data": {
         "parts": _list(_str),
         "sharegpt": {"*": {"start": _int(0), "count": _int(1), "turns": _int(0)}},
-        "synthetic": {"*": {"count": _int(1), "seed": _int(0), "temperature": _num(0, lo_open=True)}},
+        "synthetic": {"*": {"count": _int(1), "seed": _int(0), "temperature": _num(0, lo_open=True), "turns": _int(1)}},
     },
     "synthetic": {
         "system": _either(_null, _str, what="null or a non-empty string"),
@@ -199,8 +200,9 @@ SCHEMA = {
 }
 
 
-# may be left out of their section: user parts need no built-in ShareGPT cut or synthetic part
-OPTIONAL = {"data.sharegpt", "data.synthetic"}
+# may be left out of their section: user parts need no built-in ShareGPT cut or synthetic part; a
+# synthetic part has one user turn unless it says otherwise
+OPTIONAL = {"data.sharegpt", "data.synthetic", "data.synthetic.*.turns"}
 
 
 def validate(params, schema=SCHEMA, where: str = "") -> None:
@@ -217,8 +219,10 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
             validate(value, rule, name)
         elif (want := rule(value)) is not None:
             raise EaglenestError(f"{PARAMS}: `{name}` is {value!r}; it must be {want}")
-    if where.count(".") == 0 and where:  # a section's own keys (a backend's sub-options may be left out)
-        missing = [f"{where}.{k}" for k in schema if k != "*" and k not in params and f"{where}.{k}" not in OPTIONAL]
+    part = re.fullmatch(r"data\.(sharegpt|synthetic)\.[^.]+", where)  # a declared part's keys
+    if (where.count(".") == 0 and where) or part:  # a section's own keys (a backend's sub-options may be left out)
+        generic = f"data.{part[1]}.*" if part else where
+        missing = [f"{where}.{k}" for k in schema if k != "*" and k not in params and f"{generic}.{k}" not in OPTIONAL]
         if missing:
             raise EaglenestError(
                 f"{PARAMS}: missing {', '.join(f'`{m}`' for m in missing)}; every key of a section must be set "

@@ -126,10 +126,29 @@ def clean_exchange(messages: list[dict]) -> list[dict] | None:
     return system + kept if kept else None
 
 
+FOLLOW_UPS = {"turns": int, "temperature": float, "seed": int, "max_tokens": int, "near_duplicate": float}
+
+
+def check_follow_ups(spec, prompts_ok: bool) -> dict:
+    """A conversation's `follow_ups` (a multi-turn synthetic part's: the target writes `turns` more
+    user messages, `eaglenest.synthetic.follow_up_messages`), checked; it needs the target to answer."""
+    if not prompts_ok:
+        raise ValueError("`follow_ups` asks the target to write user turns (generate.enabled)")
+    if not isinstance(spec, dict) or set(spec) != set(FOLLOW_UPS):
+        raise ValueError(f"`follow_ups` must be an object with exactly {', '.join(FOLLOW_UPS)}")
+    for k, kind in FOLLOW_UPS.items():
+        v = spec[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
+            raise ValueError(f"`follow_ups.{k}` must be {'a number' if kind is float else 'an integer'}")
+    if spec["turns"] < 0 or spec["max_tokens"] <= 0 or spec["temperature"] <= 0 or not 0 < spec["near_duplicate"] <= 1:
+        raise ValueError("`follow_ups` needs turns >= 0, max_tokens > 0, temperature > 0, 0 < near_duplicate <= 1")
+    return dict(spec)
+
+
 def read_jsonl(path: Path, on_error: str = "fail", prompts_ok: bool = False) -> tuple[list[dict], ReadReport]:
-    """Read `{"id", "messages"}` lines. on_error="fail" raises on the first bad line (naming it);
-    "skip" skips and counts it. Ids must be unique within a file. prompts_ok: a conversation may end
-    in a user turn (`check_exchange`)."""
+    """Read `{"id", "messages"}` lines (and `follow_ups`, kept when present). on_error="fail" raises
+    on the first bad line (naming it); "skip" skips and counts it. Ids must be unique within a file.
+    prompts_ok: a conversation may end in a user turn (`check_exchange`) or ask for follow-ups."""
     path = Path(path)
     if not path.is_file():
         raise EaglenestError(f"{path}: conversations file not found")
@@ -150,13 +169,14 @@ def read_jsonl(path: Path, on_error: str = "fail", prompts_ok: bool = False) -> 
                     raise ValueError(f"duplicate id {cid!r} (first on line {seen[cid]})")
                 msgs = normalize_messages(raw, where)
                 check_exchange(msgs, prompts_ok)
+                extra = {"follow_ups": check_follow_ups(raw["follow_ups"], prompts_ok)} if "follow_ups" in raw else {}
             except (ValueError, RecursionError) as e:  # RecursionError: a check walking a deep value
                 if on_error == "fail":
                     raise EaglenestError(f"{where}: {e}") from None
                 report.skip(str(e).split(" (")[0], where)
                 continue
             seen[cid] = lineno
-            convs.append({"id": cid, "messages": msgs})
+            convs.append({"id": cid, "messages": msgs, **extra})
     report.kept = len(convs)
     if report.skipped:
         log.warning("%s: skipped %d lines: %s", path, sum(report.skipped.values()), dict(report.skipped))
@@ -166,7 +186,8 @@ def read_jsonl(path: Path, on_error: str = "fail", prompts_ok: bool = False) -> 
 def write_jsonl(convs, path: Path) -> None:
     with replaced_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for c in convs:
-            f.write(json.dumps({"id": c["id"], "messages": c["messages"]}, ensure_ascii=False) + "\n")
+            extra = {"follow_ups": c["follow_ups"]} if c.get("follow_ups") else {}
+            f.write(json.dumps({"id": c["id"], "messages": c["messages"], **extra}, ensure_ascii=False) + "\n")
 
 
 def iter_salvaged_json_array(path: Path) -> Iterator[dict]:
