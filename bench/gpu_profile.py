@@ -215,7 +215,8 @@ def record_disk(work: Path, stage: str) -> dict:
     return update_json(work, DISK, stage, row)[stage]
 
 
-def run(work: Path, budget: float, min_left: float, until: str | None = None) -> None:
+def run(work: Path, budget: float, min_left: float, until: str | None = None) -> bool:
+    """Each stage in pipeline order, until the budget; True once every stage asked for is done."""
     t0 = time.time()
     todo = stages(work)
     if "start" not in (read_json(work, DISK) or {}):
@@ -229,14 +230,14 @@ def run(work: Path, budget: float, min_left: float, until: str | None = None) ->
         left = budget - (time.time() - t0)
         if left < min_left:
             print(f"budget spent; next: {stage}")
-            return
+            return False
         t = time.time()
         try:
             rc, lines = stream(["dvc", "repro", "--single-item", stage], work, stage, t0 + budget)
         except TimeoutError:
             add_time(work, stage, time.time() - t)
             print(f"stopped {stage} at the budget after {time.time() - t:.0f} s; it resumes next call")
-            return
+            return False
         if rc != 0:
             print("".join(lines[-40:]))
             sys.exit(f"{stage} failed ({rc})")
@@ -251,16 +252,18 @@ def run(work: Path, budget: float, min_left: float, until: str | None = None) ->
     sh(["git", "add", "dvc.lock"], work)
     commit(work, "gpu profile: dvc.lock")
     print(f"stages done through {until}" if until else "all stages done")
+    return True
 
 
 RUN_LOG, RUN_PID = "bench/out/run.log", "bench/out/run.pid"
 
 
-def detach(work: Path, argv: list[str]) -> None:
-    """`run` (argv: its options) in a new process session, its output in bench/out/run.log."""
+def detach(work: Path, argv: list[str], module: str = "bench.gpu_profile") -> None:
+    """`python -m <module> run` (argv: its options) in a new process session, its output in
+    bench/out/run.log."""
     log = work / RUN_LOG
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "bench.gpu_profile", "--workdir", str(work), "run", *argv]
+    cmd = [sys.executable, "-m", module, "--workdir", str(work), "run", *argv]
     with open(log, "w") as f:
         p = subprocess.Popen(
             cmd,
@@ -272,7 +275,7 @@ def detach(work: Path, argv: list[str]) -> None:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     (work / RUN_PID).write_text(str(p.pid))
-    print(f"running in the background (pid {p.pid}, log {log}); follow it: python -m bench.gpu_profile wait")
+    print(f"running in the background (pid {p.pid}, log {log}); follow it: python -m {module} wait")
 
 
 def alive(pid: int) -> bool:
@@ -283,9 +286,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait(work: Path, budget: float) -> None:
-    """Print a detached run's log as it grows until it ends (exit 0 when every stage asked for is
-    done, 1 otherwise) or the budget is spent (exit 3: it is still running)."""
+def wait(work: Path, budget: float, done=("all stages done", "stages done through")) -> None:
+    """Print a detached run's log as it grows until it ends (exit 0 when its log says one of `done`,
+    1 otherwise) or the budget is spent (exit 3: it is still running)."""
     log, pid = work / RUN_LOG, int((work / RUN_PID).read_text())
     t0, shown = time.time(), 0
     while True:
@@ -299,7 +302,7 @@ def wait(work: Path, budget: float) -> None:
             print(f"still running after {time.time() - t0:.0f} s (pid {pid}); call wait again", flush=True)
             sys.exit(3)
         time.sleep(5)
-    if "all stages done" not in text and "stages done through" not in text:
+    if not any(d in text for d in done):
         sys.exit("the background run ended unfinished (its log is above)")
 
 

@@ -4,11 +4,14 @@ params.yaml to the profile's value, whole (as `dvc exp run -S section.key=value`
 params.yaml's comments and order. A key the params file lacks is an error: a profile cannot drift
 from the default the way a full copy does."""
 
+import io
+import json
 from pathlib import Path
 
-from ruamel.yaml import YAML
+from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
+from eaglenest.atomic import replaced_file
 from eaglenest.errors import EaglenestError
 
 
@@ -21,14 +24,16 @@ def _yaml() -> YAML:
 
 
 def _styled(value):
-    """A new value in params.yaml's own style: collections of scalars inline, the rest as blocks."""
+    """A new value in params.yaml's own style: lists and mappings of scalars inline, other mappings as
+    blocks. A list is always inline: a block list of lists keeps the newline after it in its last
+    item, which replacing the list again dropped (joining the next key onto its line)."""
     if isinstance(value, dict):
         out = CommentedMap((k, _styled(v)) for k, v in value.items())
     elif isinstance(value, list):
         out = CommentedSeq(_styled(v) for v in value)
     else:
         return value
-    if not any(isinstance(v, (dict, list)) for v in (value.values() if isinstance(value, dict) else value)):
+    if isinstance(value, list) or not any(isinstance(v, (dict, list)) for v in value.values()):
         out.fa.set_flow_style()
     return out
 
@@ -64,6 +69,17 @@ def apply(profile: Path, params: Path, dry_run: bool = False) -> list[tuple[str,
             changes.append((key, doc[section][name], value))
             doc[section][name] = _styled(value)
     if not dry_run:
-        with open(params, "w") as f:
-            y.dump(doc, f)
+        text = io.StringIO()
+        y.dump(doc, text)
+        if _read_back(text.getvalue()) != json.loads(json.dumps(doc)):  # the values alone, no comments
+            raise EaglenestError(f"{params}: applying {profile} would not write the values it sets; left as it was")
+        with replaced_file(Path(params)) as tmp:
+            Path(tmp).write_text(text.getvalue())
     return changes
+
+
+def _read_back(text: str):
+    try:
+        return YAML(typ="safe").load(text)
+    except YAMLError:
+        return None

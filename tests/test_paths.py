@@ -3,6 +3,7 @@ declared outs or metrics, every file it reads one of its deps."""
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from stages import _paths as paths
@@ -72,6 +73,42 @@ def test_every_profile_gives_valid_params(tmp_path):
         shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
         apply(profile, tmp_path / "params.yaml")
         _params.validate(yaml.safe_load((tmp_path / "params.yaml").read_text()))
+
+
+def test_profiles_applied_one_after_another_write_the_values_they_set(tmp_path, monkeypatch):
+    """The GPU profile, then overrides of its keys (as bench.gpu_profile's -S): each value reads back,
+    comments stay; a rendering that would not read back (the list-of-lists one that once joined the
+    next key onto its line) is refused and leaves the file as it was."""
+    import shutil
+
+    from eaglenest import profile as prof
+    from eaglenest.errors import EaglenestError
+
+    params, over = tmp_path / "params.yaml", tmp_path / "over.yaml"
+    shutil.copy(REPO / "params.yaml", params)
+    prof.apply(REPO / "profiles" / "gpu.yaml", params)
+    sets = {"evaluate": {"trees": [], "max_new_tokens": 6, "k": [3]}, "data": {"synthetic": {"s": {"count": 2}}}}
+    over.write_text(yaml.safe_dump(sets))
+    prof.apply(over, params)
+    got = yaml.safe_load(params.read_text())
+    assert {k: got["evaluate"][k] for k in sets["evaluate"]} == sets["evaluate"]
+    assert got["data"]["synthetic"] == sets["data"]["synthetic"] and got["evaluate"]["dtype"] == "float32"
+    assert "# target precision for decoding" in params.read_text()
+
+    def block_lists(value):  # the old styling: a list of lists as a block
+        out = prof.CommentedSeq(block_lists(v) for v in value) if isinstance(value, list) else value
+        if isinstance(value, list) and not any(isinstance(v, list) for v in value):
+            out.fa.set_flow_style()
+        return out
+
+    monkeypatch.setattr(prof, "_styled", block_lists)
+    over.write_text(yaml.safe_dump({"evaluate": {"trees": [[5, 4, 8], [3, 4, 8]]}}))
+    prof.apply(over, params)
+    before = params.read_text()
+    over.write_text(yaml.safe_dump({"evaluate": {"trees": []}}))
+    with pytest.raises(EaglenestError, match="would not write the values it sets"):
+        prof.apply(over, params)
+    assert params.read_text() == before and set(tmp_path.iterdir()) == {params, over}  # no temporary left
 
 
 def test_metrics_are_git_tracked_and_timings_are_nothing_dvc_tracks():
