@@ -25,7 +25,21 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
 A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
 through this machine (.carry/curve/, ignored by git): a DVC run-cache, restored as DVC restores any
 stage run, is what keeps a part's synthetic prompts and answers from being decoded twice. Stores are
-extracted again on each machine (~80 s for ShareGPT's 8M tokens): they are GBs, the texts MBs."""
+extracted again on each machine (~80 s for ShareGPT's 8M tokens): they are GBs, the texts MBs.
+
+A session's calls, back to back (bench/gpu_carry.py for the packages):
+    here:    python -m bench.gpu_carry prepare; python -m bench.gpu_curve plan
+    device:  python3 -m bench.gpu_carry stash .carry/N                      (carry .carry/N; N = 1, 2)
+    device:  stash .carry/3; install; export its environment; python3 -m bench.gpu_curve load
+             .carry/curve (carry it too, where an earlier session saved one: in a call of its own if
+             both pass 64 MiB, since `load` needs no packages); python3 -m bench.gpu_curve run --detach
+             --budget B (B: the session's device seconds left, less ~3 minutes); wait --budget 500
+    device:  wait --budget 560, again until it ends; then python3 -m bench.gpu_curve save --out $OUT
+    here:    the returned files into .carry/curve/ (replacing its files); once every point is in,
+             python -m bench.gpu_curve table .carry/curve. The curve smoke-tested on the CPU with tiny
+             parts (-S data.sharegpt=..., --count 4, --epochs 1): all five points, then save, load into
+             a fresh work repo, and a rerun that restored every synthetic and generate stage from the
+             saved run-cache."""
 
 import argparse
 import json
@@ -208,8 +222,10 @@ def table(src: Path, results: Path) -> None:
             {
                 "point": name,
                 "parts": parts,
-                "samples": r["samples"],
-                "train_tokens": r["train_tokens"],
+                # pack's own counts: reports of parts outside the point may lie in the workspace
+                "samples": {k: v["samples"] for k, v in r["pack"]["parts"].items()},
+                "tokens": r["pack"]["tokens"],
+                "train_tokens": r["pack"]["train_tokens"],
                 "epochs": r["train"]["epochs"],
                 "tau_k3": r["tau"]["3"],
                 "tau_k7": r["tau"]["7"],
