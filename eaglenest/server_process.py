@@ -1,14 +1,18 @@
 """A server in another virtual environment (SGLang, vLLM: each pins its own torch/transformers),
 run as one process group in its own session on 127.0.0.1: started, waited for, watched, stopped,
-its output logged to a file that error messages quote."""
+its output logged to a file that error messages quote. The server's TMPDIR is a directory of its own,
+removed when it stops: a killed server's IPC sockets and scratch files (vLLM leaves both) go with it."""
 
+import getpass
 import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -82,10 +86,15 @@ class ServerProcess:
         self.log_path, self.startup_timeout = Path(log_path), startup_timeout
         self.env = dict(os.environ) if env is None else env
         self.proc: subprocess.Popen | None = None
+        self.tmp: str | None = None
 
     def start(self) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s on %s (log %s): %s", self.name, self.url, self.log_path, " ".join(self.cmd))
+        self.tmp = tempfile.mkdtemp(prefix="eaglenest-server-")  # short: AF_UNIX paths stop at 107 bytes
+        # torch's compile cache stays where it is by default, shared between launches
+        cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache, **self.env, "TMPDIR": self.tmp, "TMP": self.tmp, "TEMP": self.tmp}
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 self.cmd,
@@ -93,13 +102,19 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=self.env,
+                env=env,
             )
+        try:
+            return self._wait_ready()
+        except BaseException:  # not ready (or interrupted): no server, and no TMPDIR, is left behind
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> str:
         t0 = time.time()
         while time.time() - t0 < self.startup_timeout:
             self.check_alive()
             if BIND_FAILED in self.log_tail():  # the server then waits forever instead of exiting
-                self.stop()
                 raise EaglenestError(
                     f"{self.name} could not bind its port {self.port} (another process took it); "
                     f"run again. Log {self.log_path}:\n{self.log_tail()}"
@@ -111,7 +126,6 @@ class ServerProcess:
                 return self.url
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(1.0)
-        self.stop()
         raise EaglenestError(
             f"{self.name} did not become ready within {self.startup_timeout:.0f} s; "
             f"log {self.log_path}:\n{self.log_tail()}"
@@ -133,18 +147,35 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self, timeout: float = 30.0) -> None:
-        if not self.alive():
+        """The whole process group ended (TERM, then KILL), then the server's TMPDIR removed."""
+        try:
+            self._end_group(timeout)
+        finally:
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                self.tmp = None
+
+    def _end_group(self, timeout: float) -> None:
+        if self.proc is None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(self.proc.pid, sig)  # the group: workers the server forked outlive its own exit
             except ProcessLookupError:
                 return
             try:
                 self.proc.wait(timeout=timeout)
-                return
+                if sig == signal.SIGKILL or not self._group_alive():
+                    return
             except subprocess.TimeoutExpired:
                 continue
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
     def __enter__(self):
         self.start()
