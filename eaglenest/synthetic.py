@@ -138,7 +138,7 @@ def sample_prompts(
         )  # fmt: skip
         texts = tok.batch_decode([d.tokens for d in done], skip_special_tokens=True)
         stats["rounds"], stats["sampled"] = r + 1, stats["sampled"] + n
-        for d, text in zip(done, texts):
+        for j, (d, text) in enumerate(zip(done, texts)):
             stats["sampled_tokens"] += len(d.tokens)
             why = degenerate(text, d.ended, any(t in special for t in d.tokens))
             if why is None:
@@ -151,6 +151,7 @@ def sample_prompts(
             kept.append(text.strip())
             bar.update(1)
             if len(kept) == count:
+                stats["unused"] = n - j - 1  # sampled past the count: neither kept nor judged
                 break
         if len(kept) == count:
             break

@@ -55,7 +55,7 @@ def test_the_target_writes_seeded_distinct_prompts(fp32, smollm2_tokenizer):
     a, stats = sample_prompts(fp32, tok, 10, 0, 1.0, max_prompt_tokens=48, progress=False)
     assert len(a) == 10 == stats["kept"] and len({normalise(x) for x in a}) == 10
     drops = sum(v for k, v in stats.items() if k.startswith("dropped_"))
-    assert stats["sampled"] >= stats["kept"] + drops and stats["sampled_tokens"] > 0
+    assert stats["sampled"] == stats["kept"] + drops + stats["unused"] and stats["sampled_tokens"] > 0
     assert all(x == x.strip() and x for x in a)
     again, _ = sample_prompts(fp32, tok, 10, 0, 1.0, max_prompt_tokens=48, progress=False)
     other, _ = sample_prompts(fp32, tok, 10, 1, 1.0, max_prompt_tokens=48, progress=False)
