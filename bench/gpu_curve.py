@@ -30,10 +30,10 @@ extracted again on each machine (~80 s for ShareGPT's 8M tokens): they are GBs, 
 A session's calls, back to back (bench/gpu_carry.py for the packages):
     here:    python -m bench.gpu_carry prepare; python -m bench.gpu_curve plan
     device:  python3 -m bench.gpu_carry stash .carry/N                      (carry .carry/N; N = 1, 2)
-    device:  stash .carry/3; install; export its environment; python3 -m bench.gpu_curve load
-             .carry/curve (carry it too, where an earlier session saved one: in a call of its own if
-             both pass 64 MiB, since `load` needs no packages); python3 -m bench.gpu_curve run --detach
-             --budget B (B: the session's device seconds left, less ~3 minutes); wait --budget 500
+    device:  stash .carry/3; install, its exports kept in ~/env.sh
+    device:  . ~/env.sh; python3 -m bench.gpu_curve load .carry/curve (carry .carry/curve, where an
+             earlier session saved one); python3 -m bench.gpu_curve run --detach --budget B (B: the
+             session's device seconds left, less ~3 minutes); wait --budget 500
     device:  wait --budget 560, again until it ends; then python3 -m bench.gpu_curve save --out $OUT
     here:    the returned files into .carry/curve/ (replacing its files); once every point is in,
              python -m bench.gpu_curve table .carry/curve. The curve smoke-tested on the CPU with tiny
