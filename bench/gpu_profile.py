@@ -460,8 +460,12 @@ def report(work: Path, out: Path, with_drafter: bool = False) -> None:
         p = r / rel
         return json.loads(p.read_text()) if p.exists() else {}
 
-    def each(stage, under=r):
-        return {p.stem: json.loads(p.read_text()) for p in (under / stage).glob("*.json")}
+    import yaml
+
+    parts = set(yaml.safe_load((work / "params.yaml").read_text())["data"]["parts"])
+
+    def each(stage, under=r):  # the run's parts only: reports of parts an earlier config had stay in reports/
+        return {p.stem: json.loads(p.read_text()) for p in (under / stage).glob("*.json") if p.stem in parts}
 
     times = {k: v for k, v in json.loads((work / TIMES).read_text()).items() if not k.startswith("exp:")}
     ev, tr, pk, ev_time = load("evaluate.json"), load("train.json"), load("pack.json"), load("timing/evaluate.json")
