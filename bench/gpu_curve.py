@@ -19,8 +19,8 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
         on a fresh machine, before `run`: the saved runs into the work repo's DVC cache, so `dvc
         repro` restores those stages ("Stage ... is cached") instead of decoding again; points done
     python -m bench.gpu_curve table DIR [--results bench/results]
-        here: the points' reports (DIR/points.tgz or DIR/<point>/) into bench/results/gpu_curve/ and
-        `synthetic_curve` of bench/results/gpu_profile.json
+        here: the points' reports (DIR/points.tgz or DIR/<point>/) and their table (curve.json) into
+        <results>/gpu_curve/, and `synthetic_curve` of <results>/gpu_profile.json where there is one
 
 A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
 through this machine (.carry/curve/, ignored by git): a DVC run-cache, restored as DVC restores any
@@ -227,16 +227,18 @@ def table(src: Path, results: Path) -> None:
                 "tokens": r["pack"]["tokens"],
                 "train_tokens": r["pack"]["train_tokens"],
                 "epochs": r["train"]["epochs"],
-                "tau_k3": r["tau"]["3"],
-                "tau_k7": r["tau"]["7"],
+                "tau_k3": r["tau"].get("3"),
+                "tau_k7": r["tau"].get("7"),  # the GPU profile's second k; a CPU curve may not ask it
                 "identical_to_greedy": r["identical_to_greedy"],
                 "val_loss": r["train"]["val_loss"],
             }
         )
+    (dst / "curve.json").write_text(json.dumps(rows, indent=1) + "\n")
     prof_path = results / "gpu_profile.json"
-    prof = json.loads(prof_path.read_text()) if prof_path.exists() else {}
-    prof["synthetic_curve"] = rows
-    prof_path.write_text(json.dumps(prof, indent=1) + "\n")
+    if prof_path.exists():  # the GPU profile's page of figures gains the curve
+        prof = json.loads(prof_path.read_text())
+        prof["synthetic_curve"] = rows
+        prof_path.write_text(json.dumps(prof, indent=1) + "\n")
     print(json.dumps(rows, indent=1))
 
 
