@@ -11,6 +11,7 @@ A conversation is cut before a turn whose prompt leaves no room under `max_seq_l
 would truncate it away), before a turn whose answer came out empty, and after `max_turns`
 regenerated turns (0 = all). Every turn is accounted for in the returned stats."""
 
+import json
 import logging
 import time
 from collections import Counter
@@ -45,7 +46,8 @@ def regenerate(
     progress: bool = True,
 ) -> tuple[list[dict], dict]:
     out = [{"id": c["id"], "messages": [dict(m) for m in c["messages"]]} for c in convs]
-    wants = {c["id"]: dict(c["follow_ups"], written=0) for c in convs if c.get("follow_ups", {}).get("turns")}
+    specs = {c["id"]: c["follow_ups"] for c in convs if c.get("follow_ups", {}).get("turns")}
+    written = Counter()  # follow-up user turns written, by conversation id
     prompts = [c for c in out if c["messages"][-1]["role"] == "user"]  # prompt-only: the target answers
     for c in prompts:
         c["messages"].append({"role": "assistant", "content": ""})
@@ -110,11 +112,14 @@ def regenerate(
             if not d.ended:
                 stats["cut_at_max_tokens" if room == max_new_tokens else "cut_at_context"] += 1
         # answered conversations that end in this answer (not cut) and want another user turn
-        more = [c for c, i, *_ in jobs if c["id"] in wants and len(c["messages"]) == i + 1]
-        more = [c for c in more if wants[c["id"]]["written"] < wants[c["id"]]["turns"]]
+        more = [
+            c
+            for c, i, *_ in jobs
+            if c["id"] in specs and len(c["messages"]) == i + 1 and written[c["id"]] < specs[c["id"]]["turns"]
+        ]
         if more and not (max_turns and turn + 1 >= max_turns):
             t0 = time.perf_counter()
-            _follow_up(model, tok, more, wants, turn, max_seq_len, batch_tokens, max_rows, stats, bar)
+            _follow_up(model, tok, more, specs, written, turn, max_seq_len, batch_tokens, max_rows, stats, bar)
             seconds += time.perf_counter() - t0
         turn += 1
     bar.close()
@@ -126,13 +131,13 @@ def regenerate(
     return kept, dict(stats)
 
 
-def _follow_up(model, tok, convs, wants, turn, max_seq_len, batch_tokens, max_rows, stats, bar) -> None:
+def _follow_up(model, tok, convs, specs, written, turn, max_seq_len, batch_tokens, max_rows, stats, bar) -> None:
     """The target writes the next user turn of each conversation (grouped by `follow_ups` settings);
     a kept one is appended with an empty answer for the next turn, a dropped one is counted."""
     groups = {}
     for c in convs:
-        spec = {k: v for k, v in wants[c["id"]].items() if k != "written"}
-        groups.setdefault(tuple(sorted(spec.items())), (spec, []))[1].append(c)
+        spec = specs[c["id"]]
+        groups.setdefault(json.dumps(spec, sort_keys=True), (spec, []))[1].append(c)
     bar.set_description(f"generate turn {turn + 1}: follow-up user turns ({len(convs)})")
     for spec, group in groups.values():
         for c, (text, why, n) in zip(
@@ -143,6 +148,6 @@ def _follow_up(model, tok, convs, wants, turn, max_seq_len, batch_tokens, max_ro
                 stats[f"follow_ups_dropped_{why}"] += 1
                 continue
             c["messages"] += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-            wants[c["id"]]["written"] += 1
+            written[c["id"]] += 1
             stats["follow_ups_written"] += 1
             stats["assistant_turns"] += 1

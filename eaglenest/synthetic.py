@@ -214,8 +214,10 @@ def follow_up_messages(
         d = done[i]
         text = tok.decode(d.tokens, skip_special_tokens=True)
         why = degenerate(text, d.ended, any(t in special for t in d.tokens))
-        earlier = [shingles(m["content"]) for m in c["messages"] if m["role"] == "user"]
-        if why is None and any(jaccard(shingles(text), g) >= spec["near_duplicate"] for g in earlier):
-            why = "repeats_earlier_turn"
+        if why is None:
+            grams = shingles(text)
+            earlier = (shingles(m["content"]) for m in c["messages"] if m["role"] == "user")
+            if any(jaccard(grams, g) >= spec["near_duplicate"] for g in earlier):
+                why = "repeats_earlier_turn"
         out.append((None, why, len(d.tokens)) if why else (text.strip(), None, len(d.tokens)))
     return out
