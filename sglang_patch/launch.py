@@ -16,14 +16,22 @@ Capture files (safetensors, 0600) go to --capture-dir (created 0700; default a f
 under /dev/shm or $TMPDIR); the client deletes each one after storing it."""
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 
-from .protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS, PLUGIN_NAME, SUPPORTED_SGLANG, supported
+from .protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS, PLUGIN_NAME
+from .server_env import (  # noqa: F401  (STANDINS: the tests start raw servers with them)
+    CPU_DEFAULTS,
+    STANDINS,
+    LaunchError,
+    add_unless_set,
+    check_version,
+    cpu_env,
+    exec_server,
+    sglang_parser,
+)
 
 ENFORCED = [
     ("--disable-radix-cache", None),
@@ -57,35 +65,6 @@ FORBIDDEN = {
         "the client sends token ids; a tokenizer would re-tokenize nothing but costs a process",
     ),
 }
-# On CPU: the AMX attention backend needs the real kernel package; without --mem-fraction-static startup
-# fails; an idle scheduler otherwise spins a core at 100%; the KV pool would take ~30% of RAM.
-CPU_DEFAULTS = [
-    ("--attention-backend", "torch_native"),
-    ("--mem-fraction-static", "0.3"),
-    ("--max-total-tokens", "32768"),
-    ("--disable-overlap-schedule", None),
-    ("--sleep-on-idle", None),
-]
-STANDINS = Path(__file__).resolve().parent / "standins"
-
-
-class LaunchError(SystemExit):
-    def __init__(self, msg: str):
-        super().__init__(f"sglang_patch.launch: {msg}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line naming the problem, not SGLang's 600-line usage
-        raise LaunchError(f"SGLang's argument parser rejects the server arguments: {message}")
-
-
-def sglang_parser() -> argparse.ArgumentParser:
-    """SGLang's own command-line parser, built as `sglang.launch_server` builds it (abbreviations allowed)."""
-    from sglang.srt.server_args import ServerArgs
-
-    parser = _Parser(prog="sglang.launch_server")
-    ServerArgs.add_cli_args(parser)
-    return parser
 
 
 def option_names(parser: argparse.ArgumentParser, dest: str) -> str:
@@ -99,30 +78,6 @@ def check_meaning(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
             raise LaunchError(
                 f"{option_names(parser, dest)} {getattr(ns, dest)} contradicts hidden-state capture: {why}"
             )
-
-
-def add_unless_set(parser, user: argparse.Namespace, args: list[str], defaults) -> None:
-    """Append `flag [value]` for each default whose option the user left at SGLang's default."""
-    for flag, value in defaults:
-        dest = parser._option_string_actions[flag].dest
-        if getattr(user, dest) == parser.get_default(dest):
-            args += [flag] + ([value] if value is not None else [])
-
-
-def check_version() -> str:
-    try:
-        v = metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        raise LaunchError(
-            f"sglang is not installed in {sys.executable} (`make sglang-env` builds .venv-sglang)"
-        ) from None
-    if not supported(v):
-        lo, hi = (".".join(map(str, t)) for t in SUPPORTED_SGLANG)
-        raise LaunchError(
-            f"sglang {v} is outside the supported range {lo}..{hi} (plugin hooks and "
-            f"customized_info were checked there)"
-        )
-    return v
 
 
 def capture_dir(given: str | None) -> str:
@@ -167,22 +122,7 @@ def build(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
     env = {ENV_DIR: capture_dir(ours.capture_dir), ENV_TAPS: ours.capture_taps, ENV_RID_PREFIX: ours.rid_prefix}
     if os.environ.get("SGLANG_PLUGINS") and PLUGIN_NAME not in os.environ["SGLANG_PLUGINS"].split(","):
         env["SGLANG_PLUGINS"] = os.environ["SGLANG_PLUGINS"] + "," + PLUGIN_NAME
-    if cpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
-    standins = []
-    if cpu and importlib.util.find_spec("sgl_kernel") is None:
-        standins.append("sgl_kernel_cpu")
-    if importlib.util.find_spec("torchvision") is None:
-        standins.append("no_torchvision")
-    if standins:
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(STANDINS / s) for s in standins] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-        )
-        print(
-            f"sglang_patch.launch: using eaglenest's stand-ins {standins} (sglang_patch/standins: the real "
-            f"packages are not installed here)",
-            file=sys.stderr,
-        )
+    env.update(cpu_env(cpu))
     return args, env, version
 
 
@@ -194,9 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
         flush=True,
     )
-    os.environ.update(env)
-    # exec, not a child: signals to this PID reach SGLang directly, and PYTHONPATH applies from the start.
-    os.execv(sys.executable, [sys.executable, "-m", "sglang.launch_server", *args])
+    exec_server(args, env)
 
 
 if __name__ == "__main__":

@@ -175,23 +175,55 @@ def test_vllm_serves_the_exported_drafter_as_the_offline_evaluation_says(built, 
     greedy decoding, and its acceptance counters agree with this project's offline decoder on the
     same prompt tokens and budget."""
     from eaglenest.evaluate import mtbench_prompts
-    from eaglenest.serve_check import VLLM_PYTHON, serve_check
+    from eaglenest.serve_check import serve_check
+    from eaglenest.serve_vllm import VLLM, VLLM_PYTHON
     from eaglenest.target import load_target
 
     from .conftest import REPO
 
     repo = built[0]
     m, per_q = serve_check(
+        VLLM(REPO / VLLM_PYTHON),
         load_target(repo / "data/target"),
         repo / "data/drafter",
         mtbench_prompts(4),
-        k=3,
+        mode=3,
         max_new_tokens=24,
-        python=REPO / VLLM_PYTHON,
         log_dir=tmp_path,
     )
-    assert m["questions"] == len(per_q) == 4
+    assert m["engine"] == "vllm" and m["mode"] == "3" and m["questions"] == len(per_q) == 4
     assert m["identical_to_greedy"] == m["offline_identical_to_greedy"] == 4, per_q
     assert m["drafts"] > 0 and m["draft_tokens"] == 3 * m["drafts"]
     assert len(m["accept_per_position_engine"]) == 3
     assert abs(m["tau_gap"]) < 0.05, m
+
+
+def test_sglang_drafts_trees_as_the_offline_evaluation_says(built, tmp_path):
+    """SGLang's own EAGLE-3 tree decoding (`sglang_patch.serve`, on this CPU through the kernel
+    stand-in) with the pipeline's exported drafter: its plain run equals transformers' greedy
+    decoding, its tree run equals its plain run, and its counters (verifications, tau, acceptance
+    per depth) agree with this project's offline tree decoder on the same prompts and tree."""
+    from eaglenest.decoding.speculative import TargetRunner, greedy_decode
+    from eaglenest.decoding.tree import TreeShape
+    from eaglenest.evaluate import mtbench_prompts, prompt_ids
+    from eaglenest.serve_check import serve_check
+    from eaglenest.serve_sglang import SGLANG_PYTHON, SGLang
+    from eaglenest.target import load_model, load_target, load_tokenizer, stop_ids
+
+    from .conftest import REPO
+
+    repo = built[0]
+    target, prompts, tree = load_target(repo / "data/target"), mtbench_prompts(4), TreeShape(3, 4, 8)
+    m, per_q = serve_check(
+        SGLang(REPO / SGLANG_PYTHON), target, repo / "data/drafter", prompts, tree, 24, log_dir=tmp_path
+    )
+    assert m["engine"] == "sglang" and m["mode"] == "tree-3x4x8" and m["questions"] == len(per_q) == 4
+    assert m["identical_to_greedy"] == m["offline_identical_to_greedy"] == 4, per_q
+    assert m["drafts"] == m["verifications_offline"] > 0 and m["draft_tokens"] == 7 * m["drafts"]
+    assert len(m["accept_per_position_engine"]) == 3 and m["accepted_tokens"] > 0
+    assert abs(m["tau_gap"]) < 0.05, m
+    tok = load_tokenizer(target)
+    model = load_model(target, dtype="float32", device="cpu")
+    runner, eos = TargetRunner(model, []), stop_ids(model, tok) | {tok.eos_token_id}
+    for q, ids in zip(per_q, prompt_ids(tok, prompts)):
+        assert q["output_ids"] == greedy_decode(runner, ids, 24, eos).tokens, q["id"]

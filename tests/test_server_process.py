@@ -2,6 +2,7 @@
 IPC sockets live in a TMPDIR of its own, gone once it stops, also after it died or left a worker."""
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -73,3 +74,40 @@ def test_a_server_that_never_starts_leaves_nothing(tmp_path):
         mute.start()
     assert broken.tmp is None and mute.tmp is None and set(tmp_root.glob("eaglenest-server-*")) == before
     assert not group_alive(mute.proc.pid)
+
+
+# a command that starts a server and then waits; `exit_on_sigterm` makes its `with` block stop it
+COMMAND = r"""
+import sys, time
+from pathlib import Path
+from eaglenest.server_process import ServerProcess, exit_on_sigterm
+exit_on_sigterm()
+port, server, log = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+with ServerProcess("toy", [sys.executable, "-c", server, str(port)], port, "/", log) as srv:
+    print(srv.proc.pid, srv.tmp, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_terminated_command_stops_its_server(tmp_path):
+    import subprocess
+
+    port = free_port()
+    cmd = subprocess.Popen(
+        [sys.executable, "-c", COMMAND, str(port), SERVER, str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid, tmp = cmd.stdout.readline().split()
+    try:
+        assert group_alive(int(pid)) and Path(tmp).exists()
+        cmd.terminate()  # SIGTERM, as `kill` or a job scheduler sends
+        assert cmd.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.time() + 10
+        while group_alive(int(pid)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(int(pid)) and not Path(tmp).exists()
+    finally:  # a failed check leaves no server behind
+        if group_alive(int(pid)):
+            os.killpg(int(pid), signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)

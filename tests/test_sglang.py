@@ -227,6 +227,26 @@ def test_launcher_command_line_in_server_env(tmp_path):
     assert stat.S_IMODE((tmp_path / "cap").stat().st_mode) == 0o700
 
 
+def serve_build(*argv) -> tuple[list[str], dict]:
+    code = f"import json; from sglang_patch.serve import build; print(json.dumps(build({list(argv)!r})[:2]))"
+    out = subprocess.run([str(SGPY), "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_serve_launcher_speculates_on_the_cpu_backend_that_verifies_trees():
+    """`sglang_patch.serve` (speculative serving, no capture): EAGLE3 when a drafter is given, and on
+    a CPU the attention backend that runs tree verification, given in the two flags SGLang's no-AMX
+    fallback leaves alone; the user's own choices win."""
+    args, env = serve_build("--model-path", "m", "--device", "cpu", "--speculative-draft-model-path", "d")
+    assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3"
+    for flag in ("--attention-backend", "--decode-attention-backend", "--prefill-attention-backend"):
+        assert args[args.index(flag) + 1] == "intel_amx"
+    assert "--disable-radix-cache" not in args and args[args.index("--host") + 1] == "127.0.0.1"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "sgl_kernel_cpu" in env["PYTHONPATH"]
+    plain, _ = serve_build("--model-path", "m", "--device", "cpu", "--decode-attention-backend", "torch_native")
+    assert "--speculative-algorithm" not in plain and plain.count("--decode-attention-backend") == 1
+
+
 # --- a real server ---------------------------------------------------------------------------------
 
 
