@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -543,9 +545,12 @@ def test_one_part_over_three_worker_processes_gives_the_one_process_store(tiny_t
     for f in files:
         assert (a.path / f).read_bytes() == (b.path / f).read_bytes(), f
 
+    tracebacks = lambda: set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))  # noqa: E731
+    before = tracebacks()
     with pytest.raises(EaglenestError, match="worker 1 on cuda:7 failed") as e:
         run("broken", devices=["cpu", "cuda:7"], backend_spec=spec)
     assert "rerun to resume" in str(e.value) and not (tmp_path / "broken").exists()
+    assert tracebacks() == before  # the failed worker's traceback file does not outlive the failure
     resumed = run("broken")  # one process now: the pieces the failed run committed are kept
     assert 0 < resumed["pieces_resumed"] < resumed["pieces"] and HiddenStore(tmp_path / "broken").index == a.index
 

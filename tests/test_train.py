@@ -170,7 +170,7 @@ def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):
     p = run_py(
         ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "stages.train"],
         cwd=two,
-        env_extra={"OMP_NUM_THREADS": "1"},
+        env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},  # torchrun's log dir, never removed by it
     )
     m = json.loads((two / "reports/train.json").read_text())
     assert m["world_size"] == 2, p.stderr[-2000:]

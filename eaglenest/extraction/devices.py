@@ -104,6 +104,10 @@ def join(ctx, jobs: list[Job]) -> None:
             f"part {job.part}: extraction worker {job.rank} on {job.device} failed: {last}. "
             f"Committed pieces are kept; rerun to resume."
         ) from None
+    finally:  # a failed worker's traceback file (torch's, in TMPDIR): read above, never removed by torch
+        for f in ctx.error_files:
+            if f:
+                Path(f).unlink(missing_ok=True)
 
 
 def stop(ctx) -> None:
