@@ -18,6 +18,12 @@ VLLM = (
 )
 
 
+def sglang_shape(mode) -> tuple[int, int, int]:
+    """SGLang's (num-steps, eagle-topk, num-draft-tokens) for a chain of k (a tree of top-1 nodes,
+    k + 1 tokens verified) or a draft tree (anything with steps, topk and tokens)."""
+    return (mode, 1, mode + 1) if isinstance(mode, int) else (mode.steps, mode.topk, mode.tokens)
+
+
 def parse_tree(name: str) -> tuple[int, int, int]:
     """'tree-5x4x8' -> (steps, topk, tokens)."""
     try:
@@ -34,7 +40,10 @@ def flags(timing: dict, target: str, drafter: str) -> list[tuple[str, str]]:
     k, out = int(timing["best_k"]), []
     chain = timing["k"][str(k)]
     what = f"chain k={k}: tau {chain['tau']:.2f}, {chain['speedup']:.2f}x"
-    out.append((f"SGLang, {what}", SGLANG.format(target=target, drafter=drafter, steps=k, topk=1, tokens=k + 1)))
+    steps, topk, tokens = sglang_shape(k)
+    out.append(
+        (f"SGLang, {what}", SGLANG.format(target=target, drafter=drafter, steps=steps, topk=topk, tokens=tokens))
+    )
     out.append((f"vLLM, {what}", VLLM.format(target=target, drafter=drafter, steps=k)))
     if "best_tree" in timing:
         name = timing["best_tree"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eaglenest.decoding.tree import TreeShape
 from eaglenest.errors import EaglenestError
+from eaglenest.serve_flags import sglang_shape
 from eaglenest.server_process import ServerProcess, free_port, installed_version, post_json
 
 SGLANG_PYTHON = Path(".venv-sglang/bin/python")
@@ -15,7 +16,7 @@ SGLANG_PYTHON = Path(".venv-sglang/bin/python")
 
 def spec_flags(mode: int | TreeShape) -> list[str]:
     """SGLang's flags for a chain of k (k steps, top-1, k + 1 tokens verified) or a draft tree."""
-    steps, topk, tokens = (mode.steps, mode.topk, mode.tokens) if isinstance(mode, TreeShape) else (mode, 1, mode + 1)
+    steps, topk, tokens = sglang_shape(mode)
     return [
         *("--speculative-num-steps", str(steps)),
         *("--speculative-eagle-topk", str(topk)),

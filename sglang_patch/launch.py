@@ -22,9 +22,8 @@ import tempfile
 from pathlib import Path
 
 from .protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS, PLUGIN_NAME
-from .server_env import (  # noqa: F401  (STANDINS: the tests start raw servers with them)
+from .server_env import (
     CPU_DEFAULTS,
-    STANDINS,
     LaunchError,
     add_unless_set,
     check_version,

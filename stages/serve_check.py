@@ -51,8 +51,6 @@ def main(argv=None) -> None:
     ap.add_argument("--python", type=Path, help="the engine environment's interpreter (default: .venv-<engine>)")
     ap.add_argument("--out", type=Path, help="the report (default: reports/serve_<engine>[_<tree>].json)")
     a = ap.parse_args(argv)
-    if a.tree and a.engine == "vllm":
-        ap.error("--tree: vLLM drafts EAGLE-3 as a chain; trees need --engine sglang")
     mode = a.tree or a.k
     if mode is None:
         ks = _params.load("evaluate")["k"]

@@ -23,6 +23,9 @@ from sglang.srt.speculative.eagle_utils import (  # noqa: E402
 )
 from sglang.srt.speculative.spec_utils import select_top_k_tokens  # noqa: E402
 
+CPU_NAMES = ["retrive_index", "retrive_next_token", "retrive_next_sibling"]
+TRITON_NAMES = ["retrieve_index", "retrieve_next_token", "retrieve_next_sibling"]
+
 
 def draft(gen, bs, steps, topk, tokens, vocab):
     """SGLang's drafting loop on random draft distributions: parent_list, top_scores_index, tokens."""
@@ -49,14 +52,15 @@ def build(fn, parent_list, sel, seq_lens, topk, steps, tokens, mode):
     return out
 
 
-def verify(fn, candidates, retrieve, target, steps, **kw):
+def verify(fn, names, candidates, retrieve, target, steps):
+    """`names`: the op's keyword names of the three retrieve arrays (the CPU op keeps CUDA's `retrive_*`)."""
     bs, tokens = candidates.shape
     out = dict(
         predicts=torch.full((bs * tokens,), -7, dtype=torch.long),
         accept_index=torch.full((bs, steps + 1), -1, dtype=torch.long),
         accept_token_num=torch.zeros(bs, dtype=torch.long),
     )
-    fn(**out, candidates=candidates, target_predict=target, **{k: retrieve[i] for i, k in enumerate(kw["names"])})
+    fn(**out, candidates=candidates, target_predict=target, **dict(zip(names, retrieve)))
     return out
 
 
@@ -83,10 +87,8 @@ def main():
             candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=gen), drafts], 1)
             target = torch.randint(0, vocab, (bs, tokens), generator=gen)
             r = ref["retrieve"]
-            ours = verify(standin.verify_tree_greedy_cpu, candidates, r, target, steps,
-                          names=["retrive_index", "retrive_next_token", "retrive_next_sibling"])  # fmt: skip
-            theirs = verify(verify_tree_greedy_triton, candidates, r, target, steps,
-                            names=["retrieve_index", "retrieve_next_token", "retrieve_next_sibling"])  # fmt: skip
+            ours = verify(standin.verify_tree_greedy_cpu, CPU_NAMES, candidates, r, target, steps)
+            theirs = verify(verify_tree_greedy_triton, TRITON_NAMES, candidates, r, target, steps)
             same(ours, theirs, f"verify_tree_greedy {steps}x{topk}x{tokens} bs {bs} trial {trial}")
             cases += 1
     print(json.dumps({"cases": cases}))

@@ -24,7 +24,7 @@ from eaglenest.extraction.backends.sglang_server import LaunchedServer, free_por
 from eaglenest.extraction.loop import extract_part
 from eaglenest.store.hidden_store import HiddenStore
 from eaglenest.taps import resolve_taps
-from sglang_patch import launch
+from sglang_patch import server_env
 from sglang_patch.protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS
 
 from .conftest import REPO, assert_stores_agree, cosine, make_clone, random_samples, sh, tiny_params, write_tokenized
@@ -68,7 +68,7 @@ def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
             "cpu",
             "--skip-tokenizer-init",
             "--disable-cuda-graph",
-            *[f"{f}" if v is None else f"{f}={v}" for f, v in launch.CPU_DEFAULTS],
+            *[f"{f}" if v is None else f"{f}={v}" for f, v in server_env.CPU_DEFAULTS],
             *extra,
         ]
         srv.env.update(
@@ -77,7 +77,9 @@ def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
                 ENV_TAPS: ",".join(map(str, taps)),
                 ENV_RID_PREFIX: DEFAULT_RID_PREFIX,
                 "SGLANG_USE_CPU_ENGINE": "1",
-                "PYTHONPATH": os.pathsep.join(str(launch.STANDINS / s) for s in ("sgl_kernel_cpu", "no_torchvision")),
+                "PYTHONPATH": os.pathsep.join(
+                    str(server_env.STANDINS / s) for s in ("sgl_kernel_cpu", "no_torchvision")
+                ),
             }
         )
     srv.start()
