@@ -20,7 +20,8 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
         repro` restores those stages ("Stage ... is cached") instead of decoding again; points done
     python -m bench.gpu_curve table DIR [--results bench/results]
         here: the points' reports (DIR/points.tgz or DIR/<point>/) and their table (curve.json) into
-        <results>/gpu_curve/, and `synthetic_curve` of <results>/gpu_profile.json where there is one
+        <results>/gpu_curve/, the synthetic parts' filter counts from the saved run-cache into
+        <results>/gpu_curve/synthetic/, and `synthetic_curve` of <results>/gpu_profile.json where there is one
 
 A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
 through this machine (.carry/curve/, ignored by git): a DVC run-cache, restored as DVC restores any
@@ -204,14 +205,40 @@ def load(work: Path, src: Path) -> None:
     print(f"{work}: {runs} stage runs restored into the DVC cache; points done: {done}")
 
 
+def saved_reports(src: Path, stage: str) -> dict[str, dict]:
+    """The reports/<stage>/<part>.json outputs of the stage runs that `save` put in src/texts.tgz.NNN."""
+    texts = joined(src, "texts.tgz")
+    if texts is None:
+        return {}
+    found = {}
+    try:
+        with tarfile.open(texts) as tar:
+            for m in tar.getmembers():
+                if not m.name.startswith("runs/"):
+                    continue
+                for o in yaml.safe_load(tar.extractfile(m)).get("outs") or []:
+                    rel = Path(o["path"])
+                    if rel.parent == Path("reports", stage):
+                        obj = tar.extractfile(f"files/md5/{o['md5'][:2]}/{o['md5'][2:]}")
+                        found[rel.stem] = json.load(obj)
+    finally:
+        texts.unlink()
+    return found
+
+
 def table(src: Path, results: Path) -> None:
-    """The points' reports into <results>/gpu_curve/<point>/ and <results>/gpu_profile.json's synthetic_curve."""
+    """The points' reports into <results>/gpu_curve/<point>/, the synthetic parts' filter counts (from the
+    saved run-cache) into <results>/gpu_curve/synthetic/, and <results>/gpu_profile.json's synthetic_curve."""
     dst = results / "gpu_curve"
     if (src / "points.tgz").exists():
         with tarfile.open(src / "points.tgz") as tar:
             tar.extractall(dst, filter="data")
     elif src.resolve() != dst.resolve():
         shutil.copytree(src, dst, dirs_exist_ok=True)
+    for part, rep in saved_reports(src, "synthetic").items():
+        (dst / "synthetic").mkdir(parents=True, exist_ok=True)
+        (dst / "synthetic" / f"{part}.json").write_text(json.dumps(rep, indent=1) + "\n")
+    filters = {f.stem: json.loads(f.read_text()) for f in (dst / "synthetic").glob("*.json")}
     rows = []
     for name, parts in POINTS.items():
         f = dst / name / "gpu_profile.json"
@@ -231,6 +258,11 @@ def table(src: Path, results: Path) -> None:
                 "tau_k7": r["tau"].get("7"),  # the GPU profile's second k; a CPU curve may not ask it
                 "identical_to_greedy": r["identical_to_greedy"],
                 "val_loss": r["train"]["val_loss"],
+                "synthetic_filter": {  # what each synthetic part's filter kept of what the target wrote
+                    p: {k: v for k, v in filters[p].items() if k in ("sampled", "kept") or k.startswith("dropped_")}
+                    for p in parts
+                    if p in filters
+                },
             }
         )
     (dst / "curve.json").write_text(json.dumps(rows, indent=1) + "\n")
