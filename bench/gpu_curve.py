@@ -3,8 +3,10 @@
 point trains the same epochs (--epochs, fewer than the profile's 13, to fit the lent machines' time)
 and evaluates chains only (k 3 and 7, one speed question, no gate).
 
-    python -m bench.gpu_curve plan [--epochs 3] [--turns 1]
-        the points and an estimate of each one's device minutes, from bench/results/gpu_profile.json
+    python -m bench.gpu_curve plan [--epochs 3] [--saved .carry/curve] [--machine-min 24]
+        the points not finished yet, each one's minutes and the lent machine it falls on, from the
+        stage times of the first finished point (bench/results/gpu_curve/; before one, of the GPU
+        profile's run) and what the saved run-cache already holds
     python -m bench.gpu_curve run [--budget 1700] [--epochs 3] [--turns 1] [--detach] [--count N] [-S k=v]
         the points not done yet, in order: for each, bench.gpu_profile's setup (the GPU profile with
         the point's data.parts) and run, then its report into <workdir>/bench/out/curve/<point>/;
@@ -12,12 +14,16 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
         on a fresh one after `load`). --detach: in the background; follow it with `wait`.
     python -m bench.gpu_curve wait [--budget 560]
     python -m bench.gpu_curve save --out DIR
-        what a fresh machine should not redo, in files a device call brings back (<= 15 MiB each):
-        the DVC run-cache entries of the synthetic and generate stages with their outputs
-        (texts.tgz.NNN: the GPU's costly text), and the finished points (points.tgz)
+        what a fresh machine should not redo, in files a device call brings back: the DVC run-cache
+        entries of the synthetic, generate, tokenize and teacher stages with their outputs (chunks
+        runcache.tgz.NNN + runcache.json, bench/runcache_carry.py) and the finished points
+        (points.tgz); a set over one call's 60 MiB goes on with `save` in the next call
+    python -m bench.gpu_curve collect SRC [--into .carry/curve]
+        here: a call's returned files into .carry/curve/1, 2, ... (one carried folder each)
     python -m bench.gpu_curve load DIR
-        on a fresh machine, before `run`: the saved runs into the work repo's DVC cache, so `dvc
-        repro` restores those stages ("Stage ... is cached") instead of decoding again; points done
+        on a fresh machine, before `run`, once per carried folder: the saved runs into the work repo's
+        DVC cache once all chunks are there, so `dvc repro` restores those stages ("Stage ... is
+        cached") instead of running them again; points done
     python -m bench.gpu_curve table DIR [--results bench/results]
         here: the points' reports (DIR/points.tgz or DIR/<point>/) and their table (curve.json) into
         <results>/gpu_curve/, the synthetic parts' filter counts from the saved run-cache into
@@ -25,22 +31,24 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
 
 A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
 through this machine (.carry/curve/, ignored by git): a DVC run-cache, restored as DVC restores any
-stage run, is what keeps a part's synthetic prompts and answers from being decoded twice. Stores are
-extracted again on each machine (~80 s for ShareGPT's 8M tokens): they are GBs, the texts MBs.
+stage run, is what keeps a part's synthetic prompts and answers from being decoded twice, and its
+tokenize and teacher stages from running twice where the store comes out byte for byte the same.
+Stores are extracted again on each machine (~40 s a 4M-token part): they are GBs, the rest MBs.
 
 A session's calls, back to back (bench/gpu_carry.py for the packages):
     here:    python -m bench.gpu_carry prepare; python -m bench.gpu_curve plan
     device:  python3 -m bench.gpu_carry stash .carry/N                      (carry .carry/N; N = 1, 2)
     device:  stash .carry/3; install, its exports kept in ~/env.sh
-    device:  . ~/env.sh; python3 -m bench.gpu_curve load .carry/curve (carry .carry/curve, where an
-             earlier session saved one); python3 -m bench.gpu_curve run --detach --budget B (B: the
-             session's device seconds left, less ~3 minutes); wait --budget 500
-    device:  wait --budget 560, again until it ends; then python3 -m bench.gpu_curve save --out $OUT
-    here:    the returned files into .carry/curve/ (replacing its files); once every point is in,
-             python -m bench.gpu_curve table .carry/curve. The curve smoke-tested on the CPU with tiny
-             parts (-S data.sharegpt=..., --count 4, --epochs 1): all five points, then save, load into
-             a fresh work repo, and a rerun that restored every synthetic and generate stage from the
-             saved run-cache."""
+    device:  . ~/env.sh; python3 -m bench.gpu_curve load .carry/curve/N (carry .carry/curve/N), one
+             call per folder an earlier session collected; with the last, python3 -m bench.gpu_curve
+             run --detach --budget B (B: the session's device seconds left, less ~4 minutes); wait
+    device:  wait --budget 560, again until it ends; then python3 -m bench.gpu_curve save --out $OUT,
+             again in another call while it says chunks are left
+    here:    python -m bench.gpu_curve collect /work/.device/<call> after each save call; once every
+             point is in, python -m bench.gpu_curve table .carry/curve. The curve smoke-tested on the
+             CPU with tiny parts (-S data.sharegpt=..., --count 4, --epochs 1): all five points, then
+             save, load into a fresh work repo, and a rerun that restored every synthetic and generate
+             stage from the saved run-cache."""
 
 import argparse
 import json
@@ -54,6 +62,7 @@ from pathlib import Path
 import yaml
 
 from bench import gpu_profile as gp
+from bench import runcache_carry as rc
 
 SHAREGPT = ["sharegpt-h0", "sharegpt-h1"]
 COUNT = 17333  # ShareGPT's usable conversations (profiles/gpu.yaml): "1x its volume"
@@ -65,8 +74,13 @@ POINTS = {
     "syn4x": [*SHAREGPT, "synth-000", "synth-001", "synth-002", "synth-003"],
 }
 CURVE = "bench/out/curve"
-SAVED_STAGES = ("python -m stages.synthetic ", "python -m stages.generate ")
-CHUNK = 15 * 2**20  # a device call brings back files of at most 16 MiB
+# stages a fresh machine restores from the saved run-cache: the texts (the GPU's costly decoding) and
+# the small per-part outputs of stages that read a store (a store is GBs: each machine extracts again;
+# teacher@<part> is restored where that extraction comes out byte for byte the same)
+SAVED_STAGES = tuple(f"python -m stages.{s} " for s in ("synthetic", "generate", "tokenize", "teacher"))
+CALL_BYTES = 60 * 2**20  # a device call brings back <= 64 MiB
+CARRY_BYTES = 58 * 2**20  # and carries <= 64 MiB with the working tree (as bench.gpu_carry's chunks)
+STASH = Path.home() / "curve_in"
 
 
 def synthetic_parts(turns: int, count: int = COUNT) -> dict:
@@ -89,26 +103,93 @@ def point_sets(name: str, epochs: int, turns: int, count: int = COUNT, extra: li
     ]
 
 
-def plan(epochs: int) -> None:
-    """Device minutes per point, scaled from the committed GPU profile run's own stage times."""
-    prof = json.loads((gp.REPO / "bench/results/gpu_profile.json").read_text())
-    wall, tokens = prof["wall_s"], prof["train_tokens"]
-    train_rate = tokens * prof["train"]["epochs"] / wall["train"]
-    share_data = sum(wall[k] for k in ("sharegpt", "generate", "tokenize", "extract")) + 60  # + teacher
-    synth_tokens = COUNT * (prof["generate"]["generated_tokens"] / prof["samples"] + 60)  # answer + prompt
-    synth_data = (share_data - wall["sharegpt"]) * synth_tokens / tokens + 60  # + the prompts' decoding
-    print(f"train {train_rate / 1e3:.0f}k tok/s and the data stages of {prof['run'][:60]}...")
-    total = wall["target"]
+def rates(results: Path) -> dict:
+    """Seconds per unit of work on one H200, from the first finished curve point's own stage times
+    (before any: the committed GPU profile run's)."""
+    done = sorted((results / "gpu_curve").glob("*/gpu_profile.json"))
+    src = done[0] if done else results / "gpu_profile.json"
+    if not src.exists():
+        sys.exit(f"{src}: not found (no GPU run to take stage times from)")
+    r = json.loads(src.read_text())
+    w, toks = r["wall_s"], r["tokenized_tokens"]
+    return {
+        "source": str(src),
+        "train_tok_s": r["train_tokens"] * r["train"]["epochs"] / w["train"],
+        **{f"{k}_s_tok": w.get(k, 60) / toks for k in ("tokenize", "extract", "teacher")},  # s per token
+        "generate_s_tok": w["generate"] / r["generate"]["generated_tokens"],
+        "prompts_s": w["synthetic"] / 4 if w.get("synthetic") else 80.0,  # one part's prompts
+        "fixed_s": w["target"] + w["pack"] + w["evaluate"] + 60,  # + a point's setup and DVC
+        "part_tokens": {k: v["tokens"] for k, v in r["pack"]["parts"].items()},
+    }
+
+
+def plan(epochs: int, saved: Path, machine_s: float, results: Path) -> None:
+    """The points not yet finished, in `run`'s order, packed onto fresh machines of `machine_s` run-seconds.
+    A machine extracts each part it uses once; a part's text (prompts, answers) and tokens are made once
+    over all machines (the saved run-cache), and its teacher too where its store comes out the same."""
+    rt = rates(results)
+    gen = rc.reports(saved, "generate")
+    done = set()
+    if points := points_tgz(saved):
+        with tarfile.open(points) as tar:
+            done = {n.split("/")[0] for n in tar.getnames()}
+    done |= {p.parent.name for p in (results / "gpu_curve").glob("*/gpu_profile.json")}
+    synth = [g["prompt_tokens"] + g["generated_tokens"] for p, g in gen.items() if p.startswith("synth")]
+    synth_tokens = sum(synth) / len(synth) if synth else COUNT * 265  # tokens of one synthetic part
+
+    def tokens(part):
+        return rt["part_tokens"].get(part) or (
+            gen[part]["prompt_tokens"] + gen[part]["generated_tokens"] if part in gen else synth_tokens
+        )
+
+    have = {stage: set() for stage in ("synthetic", "generate", "tokenize", "teacher")}
+    for cmd in rc.commands(saved):  # "python -m stages.<stage> <part> ..."
+        stage, part = cmd.split()[2].removeprefix("stages."), cmd.split()[3]
+        have.setdefault(stage, set()).add(part)
+    have["generate"] |= set(rt["part_tokens"])  # parts a finished point made (saved then, or not at all)
+    print(
+        f"rates from {rt['source']}: train {rt['train_tok_s'] / 1e3:.0f}k tok/s; a part's states per M tokens: "
+        f"tokenize {rt['tokenize_s_tok'] * 1e6:.1f} s, extract {rt['extract_s_tok'] * 1e6:.1f} s, teacher "
+        f"{rt['teacher_s_tok'] * 1e6:.1f} s; saved: " + ", ".join(f"{k} {len(v)}" for k, v in have.items())
+    )
+    machine, used, on_machine, unsure = 1, 0.0, set(), 0.0
     for name, parts in POINTS.items():
-        n_syn = sum(p.startswith("synth") for p in parts)
-        toks = tokens * (len(parts) > n_syn) + synth_tokens * n_syn
-        train_s = epochs * toks / train_rate + 60  # + compile and loaders
-        new_data = share_data * (name == "sharegpt") + synth_data * (name in ("syn1x", "syn2x", "syn4x"))
-        new_data *= {"syn2x": 1, "syn4x": 2}.get(name, 1)  # parts that point adds
-        s = new_data + train_s + 90 + 30  # + evaluate (chains) + pack
-        total += s
-        print(f"{name:9s} {', '.join(parts):62s} ~{toks / 1e6:5.1f}M tokens  ~{s / 60:4.1f} min")
-    print(f"all points: ~{total / 60:.0f} device minutes on one machine (a fresh machine extracts its parts again)")
+        if name in done:
+            print(f"{name:9s} done")
+            continue
+        for attempt in (0, 1):
+            text = states = 0.0  # the stages that come before any extraction (run order), then the rest
+            for part in set(parts) - on_machine:
+                n = tokens(part)
+                text += rt["prompts_s"] * (part.startswith("synth") and part not in have["synthetic"])
+                text += n * rt["generate_s_tok"] * (part not in have["generate"])
+                text += n * rt["tokenize_s_tok"] * (part not in have["tokenize"])
+                states += n * rt["extract_s_tok"] + n * rt["teacher_s_tok"] * (part not in have["teacher"])
+            s = rt["fixed_s"] + text + states + epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
+            if used + s <= machine_s or used == 0 or attempt:
+                break
+            if machine_s - used >= text:  # the machine's last minutes make the point's texts, then save
+                for stage in ("synthetic", "generate", "tokenize"):
+                    have[stage] |= set(parts)
+            machine, used, on_machine = machine + 1, 0.0, set()
+        unsure += sum(tokens(p) * rt["teacher_s_tok"] for p in set(parts) - on_machine if p in have["teacher"])
+        used += s
+        on_machine |= set(parts)
+        for stage in have.values():
+            stage |= set(parts)
+        warn = "  (over one machine: it cannot finish)" if s > machine_s else ""
+        toks = sum(map(tokens, parts)) / 1e6
+        print(f"{name:9s} machine {machine}  ~{toks:5.1f}M tokens x {epochs} epochs  ~{s / 60:4.1f} min{warn}")
+    print(
+        f"{machine} machine(s) of ~30 minutes each (start, carried packages and save included), counting "
+        f"teacher@<part> restored from the saved run where the part has one; where a store does not come "
+        f"out byte for byte the same, teacher runs again: +{unsure / 60:.1f} min over all machines"
+    )
+
+
+def points_tgz(src: Path) -> Path | None:
+    """save's points.tgz as returned (src/) or as collected (src/1/)."""
+    return next((p for p in (src / "points.tgz", src / "1" / "points.tgz") if p.exists()), None)
 
 
 def finished(work: Path) -> set[str]:
@@ -137,105 +218,46 @@ def run(work: Path, budget: float, epochs: int, turns: int, count: int, profile:
 
 
 def save(work: Path, out: Path) -> None:
-    """Run-cache entries of SAVED_STAGES whose outputs are all files in the cache, with those files."""
-    cache = work / ".dvc" / "cache"
-    members = []
-    for entry in sorted((cache / "runs").glob("*/*/*")):
-        run_ = yaml.safe_load(entry.read_text())
-        outs = run_.get("outs") or []
-        if not run_.get("cmd", "").startswith(SAVED_STAGES) or any(o["md5"].endswith(".dir") for o in outs):
-            continue
-        objs = [cache / "files" / "md5" / o["md5"][:2] / o["md5"][2:] for o in outs]
-        if all(p.exists() for p in objs):
-            members += [entry, *objs]
+    """The saved stages' run-cache (bench/runcache_carry.py) and the finished points into out, at most
+    one call's bytes; a set too big for one call goes on in the next call's `save`."""
+    staging = work / "bench" / "out" / "saved"
+    manifest = rc.pack(work / ".dvc" / "cache", SAVED_STAGES, staging)
     out.mkdir(parents=True, exist_ok=True)
-    tgz = out / "texts.tgz"
-    with tarfile.open(tgz, "w:gz") as tar:
-        for m in dict.fromkeys(members):
-            tar.add(m, arcname=str(m.relative_to(cache)))
-    n = split(tgz, CHUNK)
     with tarfile.open(out / "points.tgz", "w:gz") as tar:
         for name in sorted(finished(work)):
             tar.add(work / CURVE / name, arcname=name)
-    runs = sum(1 for m in members if "runs" in m.parts)
-    print(f"{out}: {runs} stage runs and their outputs in {n} file(s) texts.tgz.NNN; points {sorted(finished(work))}")
-
-
-def split(path: Path, size: int) -> int:
-    """path -> path.000, path.001, ... of at most `size` bytes each (the original removed)."""
-    n = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(size):
-            (path.parent / f"{path.name}.{n:03d}").write_bytes(chunk)
-            n += 1
-    path.unlink()
-    return n
-
-
-def joined(src: Path, name: str) -> Path | None:
-    """src/name.000... concatenated into a temporary file (None where there is none)."""
-    pieces = sorted(src.glob(f"{name}.[0-9][0-9][0-9]"))
-    if not pieces:
-        return None
-    tmp = src / f".{name}.joined"
-    with open(tmp, "wb") as f:
-        for p in pieces:
-            f.write(p.read_bytes())
-    return tmp
+    left = rc.send(staging, out, CALL_BYTES - (out / "points.tgz").stat().st_size)
+    print(
+        f"{out}: {manifest['runs']} stage runs in {len(manifest['chunks'])} chunk(s), "
+        f"{len(manifest['chunks']) - len(left)} sent so far; points {sorted(finished(work))}"
+        + (f"; {len(left)} chunk(s) left: call save again" if left else "")
+    )
 
 
 def load(work: Path, src: Path) -> None:
+    """One carried folder (collect's src/N): its chunks kept on this machine until the set is whole,
+    then into the work repo's DVC cache; points done from its points.tgz."""
     if not work.exists():
         gp.setup(work, "gpu", [])
-    cache = work / ".dvc" / "cache"
-    texts = joined(src, "texts.tgz")
-    if texts is None:
-        sys.exit(f"{src}: no texts.tgz.NNN (bench.gpu_curve save writes them)")
-    try:
-        with tarfile.open(texts) as tar:
-            tar.extractall(cache, filter="data")
-            runs = sum(1 for m in tar.getnames() if m.startswith("runs/"))
-    finally:
-        texts.unlink()
-    done = []
+    have, total = rc.receive(src, STASH)
     if (src / "points.tgz").exists():
         with tarfile.open(src / "points.tgz") as tar:
             tar.extractall(work / CURVE, filter="data")
-        done = sorted(finished(work))
-    print(f"{work}: {runs} stage runs restored into the DVC cache; points done: {done}")
-
-
-def saved_reports(src: Path, stage: str) -> dict[str, dict]:
-    """The reports/<stage>/<part>.json outputs of the stage runs that `save` put in src/texts.tgz.NNN."""
-    texts = joined(src, "texts.tgz")
-    if texts is None:
-        return {}
-    found = {}
-    try:
-        with tarfile.open(texts) as tar:
-            for m in tar.getmembers():
-                if not m.name.startswith("runs/"):
-                    continue
-                for o in yaml.safe_load(tar.extractfile(m)).get("outs") or []:
-                    rel = Path(o["path"])
-                    if rel.parent == Path("reports", stage):
-                        obj = tar.extractfile(f"files/md5/{o['md5'][:2]}/{o['md5'][2:]}")
-                        found[rel.stem] = json.load(obj)
-    finally:
-        texts.unlink()
-    return found
+    runs = rc.unpack(STASH, work / ".dvc" / "cache")
+    state = f"{runs} stage runs restored into the DVC cache" if runs is not None else f"{have} of {total} chunks here"
+    print(f"{work}: {state}; points done: {sorted(finished(work))}")
 
 
 def table(src: Path, results: Path) -> None:
     """The points' reports into <results>/gpu_curve/<point>/, the synthetic parts' filter counts (from the
     saved run-cache) into <results>/gpu_curve/synthetic/, and <results>/gpu_profile.json's synthetic_curve."""
     dst = results / "gpu_curve"
-    if (src / "points.tgz").exists():
-        with tarfile.open(src / "points.tgz") as tar:
+    if points := points_tgz(src):
+        with tarfile.open(points) as tar:
             tar.extractall(dst, filter="data")
     elif src.resolve() != dst.resolve():
         shutil.copytree(src, dst, dirs_exist_ok=True)
-    for part, rep in saved_reports(src, "synthetic").items():
+    for part, rep in rc.reports(src, "synthetic").items():
         (dst / "synthetic").mkdir(parents=True, exist_ok=True)
         (dst / "synthetic" / f"{part}.json").write_text(json.dumps(rep, indent=1) + "\n")
     filters = {f.stem: json.loads(f.read_text()) for f in (dst / "synthetic").glob("*.json")}
@@ -294,12 +316,18 @@ def main() -> None:
     s.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out/curve_saved")))
     ld = sub.add_parser("load")
     ld.add_argument("src", type=Path)
+    c = sub.add_parser("collect")
+    c.add_argument("src", type=Path, help="a device call's returned files (save's --out)")
+    c.add_argument("--into", type=Path, default=gp.REPO / ".carry" / "curve")
     t = sub.add_parser("table")
     t.add_argument("src", type=Path)
     t.add_argument("--results", type=Path, default=gp.REPO / "bench" / "results")
+    p.add_argument("--saved", type=Path, default=gp.REPO / ".carry" / "curve", help="what `save` brought back")
+    p.add_argument("--machine-min", type=float, default=24, help="run-minutes of one lent machine")
+    p.add_argument("--results", type=Path, default=gp.REPO / "bench" / "results")
     a = ap.parse_args()
     if a.cmd == "plan":
-        plan(a.epochs)
+        plan(a.epochs, a.saved, a.machine_min * 60, a.results)
     elif a.cmd == "run" and a.detach:
         args = [f"--{k}={getattr(a, k)}" for k in ("budget", "epochs", "turns", "count", "profile")]
         gp.detach(a.workdir, [*args, *(f"-S{x}" for x in a.sets)], module="bench.gpu_curve")
@@ -311,6 +339,8 @@ def main() -> None:
         save(a.workdir, a.out)
     elif a.cmd == "load":
         load(a.workdir, a.src)
+    elif a.cmd == "collect":
+        rc.collect(a.src, a.into, CARRY_BYTES)
     else:
         table(a.src, a.results)
 

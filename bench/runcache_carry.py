@@ -1,0 +1,218 @@
+"""DVC run-cache entries of chosen stages, with their outputs, carried between lent machines through
+this one in pieces a device call can move (files of <= 16 MiB, <= 64 MiB a call). A fresh machine that
+loads them restores those stages as DVC restores any stage run ("Stage ... is cached") instead of
+running them again.
+
+    pack(cache, stages, staging)      on the machine: the entries and their objects in one tar.gz, in
+                                      chunks under `staging`, with a manifest (count, sha256, entries)
+    send(staging, out, max_bytes)     the chunks not sent yet, up to max_bytes, into `out` (the call's
+                                      $OUT); again in the next call until none is left
+    collect(src, dst, max_bytes)      here: the returned files into dst/1, dst/2, ... each one call's carry
+    receive(src, stash)               on the next machine, once per carried folder: its chunks into stash;
+                                      unpack(stash, cache) once every chunk is there
+    gather(src)                       the whole tar.gz (sha256-checked) from src and its folders
+
+A chunk set is named by its manifest's sha256: a new set (a later session's) replaces the old one."""
+
+import hashlib
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import yaml
+
+CHUNK = 14 * 2**20  # a device call brings back files of <= 16 MiB; four fill one carried folder
+MANIFEST = "runcache.json"
+NAME = "runcache.tgz"
+
+
+def entries(cache: Path, stages: tuple[str, ...]) -> list[Path]:
+    """The run-cache entries of commands starting with one of `stages` whose outputs are all in the
+    cache (a directory output: its .dir listing and every file of it), then those objects."""
+    objects = cache / "files" / "md5"
+    obj = lambda md5: objects / md5[:2] / md5[2:]  # noqa: E731
+    members = []
+    for entry in sorted((cache / "runs").glob("*/*/*")):
+        run = yaml.safe_load(entry.read_text())
+        if not run.get("cmd", "").startswith(stages):
+            continue
+        need = []
+        for o in run.get("outs") or []:
+            need.append(obj(o["md5"]))
+            if o["md5"].endswith(".dir") and need[-1].exists():
+                need += [obj(f["md5"]) for f in json.loads(need[-1].read_text())]
+        if all(p.exists() for p in need):
+            members += [entry, *need]
+    return list(dict.fromkeys(members))
+
+
+def pack(cache: Path, stages: tuple[str, ...], staging: Path) -> dict:
+    """The entries in chunks under staging (kept when the same entries were packed before, so a second
+    `send` continues the first one's set)."""
+    members = entries(cache, stages)
+    listing = hashlib.sha256("\n".join(str(m.relative_to(cache)) for m in members).encode()).hexdigest()
+    old = staging / MANIFEST
+    if old.exists() and json.loads(old.read_text()).get("listing") == listing:
+        return json.loads(old.read_text())
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tgz = staging / NAME
+    with tarfile.open(tgz, "w:gz") as tar:
+        for m in members:
+            tar.add(m, arcname=str(m.relative_to(cache)))
+    digest, chunks = hashlib.sha256(), []
+    with open(tgz, "rb") as f:
+        while piece := f.read(CHUNK):
+            digest.update(piece)
+            chunks.append(f"{NAME}.{len(chunks):03d}")
+            (staging / chunks[-1]).write_bytes(piece)
+    tgz.unlink()
+    runs = sum(1 for m in members if m.relative_to(cache).parts[0] == "runs")
+    manifest = {"sha256": digest.hexdigest(), "chunks": chunks, "runs": runs, "listing": listing, "sent": []}
+    old.write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def send(staging: Path, out: Path, max_bytes: int) -> list[str]:
+    """Chunks not sent yet into out, up to max_bytes; returns those still left."""
+    manifest = json.loads((staging / MANIFEST).read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    used = 0
+    for name in manifest["chunks"]:
+        size = (staging / name).stat().st_size
+        if name in manifest["sent"] or used + size > max_bytes:
+            continue
+        shutil.copyfile(staging / name, out / name)
+        manifest["sent"].append(name)
+        used += size
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    shutil.copyfile(staging / MANIFEST, out / MANIFEST)
+    return [c for c in manifest["chunks"] if c not in manifest["sent"]]
+
+
+def _manifest(src: Path) -> dict | None:
+    found = [src / MANIFEST, *sorted(src.glob(f"*/{MANIFEST}"))]
+    return next((json.loads(p.read_text()) for p in found if p.exists()), None)
+
+
+def collect(src: Path, dst: Path, max_bytes: int, keep=("points.tgz",)) -> list[Path]:
+    """The chunks a device call returned (src) into dst's numbered folders of <= max_bytes each, beside
+    those of earlier calls of the same set; files named in `keep` go into every folder."""
+    if not (src / MANIFEST).exists():
+        raise SystemExit(f"{src}: no {MANIFEST} (not what bench.gpu_curve save returns)")
+    new = json.loads((src / MANIFEST).read_text())
+    have = _manifest(dst) if dst.exists() else None
+    if have is None or have["sha256"] != new["sha256"]:  # a new set: the old one's chunks go
+        for d in dst.glob("[0-9]*"):
+            shutil.rmtree(d)
+    dst.mkdir(parents=True, exist_ok=True)
+    pieces = {p.name: p for p in dst.glob(f"[0-9]*/{NAME}.*")}
+    pieces.update({p.name: p for p in src.glob(f"{NAME}.*")})
+    tmp = dst / ".collecting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, p in pieces.items():
+        shutil.copyfile(p, tmp / name)
+    for d in dst.glob("[0-9]*"):
+        shutil.rmtree(d)
+    folders, used = [], max_bytes
+    for name in sorted(pieces):
+        size = (tmp / name).stat().st_size
+        if used + size > max_bytes:
+            folders.append(dst / str(len(folders) + 1))
+            folders[-1].mkdir()
+            used = 0
+        (tmp / name).rename(folders[-1] / name)
+        used += size
+    shutil.rmtree(tmp)
+    for d in folders or [dst / "1"]:
+        d.mkdir(exist_ok=True)
+        (d / MANIFEST).write_text(json.dumps(new, indent=1))
+        for k in keep:
+            if (src / k).exists():
+                shutil.copyfile(src / k, d / k)
+    missing = [c for c in new["chunks"] if c not in pieces]
+    print(
+        f"{dst}: {len(pieces)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
+        + (f"; missing {missing}" if missing else "")
+    )
+    return folders
+
+
+def gather(src: Path, into: Path) -> Path | None:
+    """The set's whole tar.gz at `into` from the chunks in src and its folders, its sha256 checked;
+    None while a chunk is missing (or there is no set)."""
+    manifest = _manifest(src)
+    if manifest is None:
+        return None
+    pieces = {p.name: p for p in [*src.glob(f"{NAME}.*"), *src.glob(f"*/{NAME}.*")]}
+    if any(c not in pieces for c in manifest["chunks"]):
+        return None
+    digest = hashlib.sha256()
+    with open(into, "wb") as f:
+        for c in manifest["chunks"]:
+            piece = pieces[c].read_bytes()
+            digest.update(piece)
+            f.write(piece)
+    if digest.hexdigest() != manifest["sha256"]:
+        into.unlink()
+        raise SystemExit(f"{src}: the chunks of {NAME} do not add up to its sha256 (a damaged or mixed set)")
+    return into
+
+
+def receive(src: Path, stash: Path) -> tuple[int, int]:
+    """One carried folder's chunks and manifest into stash; returns (chunks there, chunks in the set)."""
+    manifest = _manifest(src)
+    if manifest is None:
+        raise SystemExit(f"{src}: no {MANIFEST} (bench.gpu_curve collect lays the carried folders out)")
+    old = _manifest(stash) if stash.exists() else None
+    if old is not None and old["sha256"] != manifest["sha256"]:
+        shutil.rmtree(stash)
+    stash.mkdir(parents=True, exist_ok=True)
+    for p in [*src.glob(f"{NAME}.*"), src / MANIFEST]:
+        shutil.copyfile(p, stash / p.name)
+    return sum((stash / c).exists() for c in manifest["chunks"]), len(manifest["chunks"])
+
+
+def unpack(stash: Path, cache: Path) -> int | None:
+    """The set into a DVC cache once complete; the number of stage runs it restored, or None."""
+    tgz = gather(stash, stash / f".{NAME}")
+    if tgz is None:
+        return None
+    try:
+        with tarfile.open(tgz) as tar:
+            tar.extractall(cache, filter="data")
+            return sum(1 for m in tar.getnames() if m.startswith("runs/"))
+    finally:
+        tgz.unlink()
+
+
+def _runs(src: Path):
+    """(tar, run entry) of each run in the set at src (as gather), the tar open while iterating."""
+    tgz = gather(src, src / f".{NAME}.reading")
+    if tgz is None:
+        return
+    try:
+        with tarfile.open(tgz) as tar:
+            for m in tar.getmembers():
+                if m.name.startswith("runs/"):
+                    yield tar, yaml.safe_load(tar.extractfile(m))
+    finally:
+        tgz.unlink()
+
+
+def commands(src: Path) -> list[str]:
+    """The commands of the set's runs (none where src holds no whole set)."""
+    return [run["cmd"] for _, run in _runs(src)]
+
+
+def reports(src: Path, stage: str) -> dict[str, dict]:
+    """The reports/<stage>/<part>.json outputs of the set's runs."""
+    found = {}
+    for tar, run in _runs(src):
+        for o in run.get("outs") or []:
+            rel = Path(o["path"])
+            if rel.parent == Path("reports", stage):
+                found[rel.stem] = json.load(tar.extractfile(f"files/md5/{o['md5'][:2]}/{o['md5'][2:]}"))
+    return found
