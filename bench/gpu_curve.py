@@ -129,7 +129,8 @@ def plan(epochs: int, saved: Path, machine_s: float, results: Path) -> None:
     A machine extracts each part it uses once; a part's text (prompts, answers) and tokens are made once
     over all machines (the saved run-cache), and its teacher too where its store comes out the same."""
     rt = rates(results)
-    gen = rc.reports(saved, "generate")
+    commands, found = rc.contents(saved, ["generate"])
+    gen = found["generate"]
     done = set()
     if points := points_tgz(saved):
         with tarfile.open(points) as tar:
@@ -144,35 +145,39 @@ def plan(epochs: int, saved: Path, machine_s: float, results: Path) -> None:
         )
 
     have = {stage: set() for stage in ("synthetic", "generate", "tokenize", "teacher")}
-    for cmd in rc.commands(saved):  # "python -m stages.<stage> <part> ..."
+    for cmd in commands:  # "python -m stages.<stage> <part> ..."
         stage, part = cmd.split()[2].removeprefix("stages."), cmd.split()[3]
-        have.setdefault(stage, set()).add(part)
+        have[stage].add(part)
     have["generate"] |= set(rt["part_tokens"])  # parts a finished point made (saved then, or not at all)
     print(
         f"rates from {rt['source']}: train {rt['train_tok_s'] / 1e3:.0f}k tok/s; a part's states per M tokens: "
         f"tokenize {rt['tokenize_s_tok'] * 1e6:.1f} s, extract {rt['extract_s_tok'] * 1e6:.1f} s, teacher "
         f"{rt['teacher_s_tok'] * 1e6:.1f} s; saved: " + ", ".join(f"{k} {len(v)}" for k, v in have.items())
     )
+
+    def cost(parts, on_machine):
+        """(seconds of the point on a machine holding on_machine's stores, of which before any extraction)"""
+        text = states = 0.0
+        for part in set(parts) - on_machine:
+            n = tokens(part)
+            text += rt["prompts_s"] * (part.startswith("synth") and part not in have["synthetic"])
+            text += n * rt["generate_s_tok"] * (part not in have["generate"])
+            text += n * rt["tokenize_s_tok"] * (part not in have["tokenize"])
+            states += n * rt["extract_s_tok"] + n * rt["teacher_s_tok"] * (part not in have["teacher"])
+        return rt["fixed_s"] + text + states + epochs * sum(map(tokens, parts)) / rt["train_tok_s"], text
+
     machine, used, on_machine, unsure = 1, 0.0, set(), 0.0
     for name, parts in POINTS.items():
         if name in done:
             print(f"{name:9s} done")
             continue
-        for attempt in (0, 1):
-            text = states = 0.0  # the stages that come before any extraction (run order), then the rest
-            for part in set(parts) - on_machine:
-                n = tokens(part)
-                text += rt["prompts_s"] * (part.startswith("synth") and part not in have["synthetic"])
-                text += n * rt["generate_s_tok"] * (part not in have["generate"])
-                text += n * rt["tokenize_s_tok"] * (part not in have["tokenize"])
-                states += n * rt["extract_s_tok"] + n * rt["teacher_s_tok"] * (part not in have["teacher"])
-            s = rt["fixed_s"] + text + states + epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
-            if used + s <= machine_s or used == 0 or attempt:
-                break
-            if machine_s - used >= text:  # the machine's last minutes make the point's texts, then save
+        s, text = cost(parts, on_machine)
+        if used and used + s > machine_s:  # a fresh machine; this one's last minutes make the texts
+            if machine_s - used >= text:
                 for stage in ("synthetic", "generate", "tokenize"):
                     have[stage] |= set(parts)
             machine, used, on_machine = machine + 1, 0.0, set()
+            s, _ = cost(parts, on_machine)
         unsure += sum(tokens(p) * rt["teacher_s_tok"] for p in set(parts) - on_machine if p in have["teacher"])
         used += s
         on_machine |= set(parts)
@@ -258,7 +263,7 @@ def table(src: Path, results: Path) -> None:
             tar.extractall(dst, filter="data")
     elif src.resolve() != dst.resolve():
         shutil.copytree(src, dst, dirs_exist_ok=True)
-    for part, rep in rc.reports(src, "synthetic").items():
+    for part, rep in rc.contents(src, ["synthetic"])[1]["synthetic"].items():
         (dst / "synthetic").mkdir(parents=True, exist_ok=True)
         (dst / "synthetic" / f"{part}.json").write_text(json.dumps(rep, indent=1) + "\n")
     filters = {f.stem: json.loads(f.read_text()) for f in (dst / "synthetic").glob("*.json")}

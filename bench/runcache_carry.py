@@ -11,6 +11,7 @@ running them again.
     receive(src, stash)               on the next machine, once per carried folder: its chunks into stash;
                                       unpack(stash, cache) once every chunk is there
     gather(src)                       the whole tar.gz (sha256-checked) from src and its folders
+    contents(src, stages)             its commands and the reports of those stages
 
 A chunk set is named by its manifest's sha256: a new set (a later session's) replaces the old one."""
 
@@ -97,44 +98,34 @@ def _manifest(src: Path) -> dict | None:
 
 
 def collect(src: Path, dst: Path, max_bytes: int, keep=("points.tgz",)) -> list[Path]:
-    """The chunks a device call returned (src) into dst's numbered folders of <= max_bytes each, beside
-    those of earlier calls of the same set; files named in `keep` go into every folder."""
+    """The chunks a device call returned (src) added to dst's numbered folders of <= max_bytes each
+    (those of an older set removed first); the newest manifest and the files named in `keep` go into
+    every folder."""
     if not (src / MANIFEST).exists():
         raise SystemExit(f"{src}: no {MANIFEST} (not what bench.gpu_curve save returns)")
     new = json.loads((src / MANIFEST).read_text())
     have = _manifest(dst) if dst.exists() else None
-    if have is None or have["sha256"] != new["sha256"]:  # a new set: the old one's chunks go
+    if have is not None and have["sha256"] != new["sha256"]:
         for d in dst.glob("[0-9]*"):
             shutil.rmtree(d)
-    dst.mkdir(parents=True, exist_ok=True)
-    pieces = {p.name: p for p in dst.glob(f"[0-9]*/{NAME}.*")}
-    pieces.update({p.name: p for p in src.glob(f"{NAME}.*")})
-    tmp = dst / ".collecting"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, p in pieces.items():
-        shutil.copyfile(p, tmp / name)
-    for d in dst.glob("[0-9]*"):
-        shutil.rmtree(d)
-    folders, used = [], max_bytes
-    for name in sorted(pieces):
-        size = (tmp / name).stat().st_size
-        if used + size > max_bytes:
+    folders = sorted(dst.glob("[0-9]*"), key=lambda d: int(d.name))
+    size = lambda d: sum(p.stat().st_size for p in d.glob(f"{NAME}.*"))  # noqa: E731
+    for piece in sorted(src.glob(f"{NAME}.*")):
+        if any((d / piece.name).exists() for d in folders):
+            continue
+        if not folders or size(folders[-1]) + piece.stat().st_size > max_bytes:
             folders.append(dst / str(len(folders) + 1))
-            folders[-1].mkdir()
-            used = 0
-        (tmp / name).rename(folders[-1] / name)
-        used += size
-    shutil.rmtree(tmp)
-    for d in folders or [dst / "1"]:
-        d.mkdir(exist_ok=True)
+            folders[-1].mkdir(parents=True)
+        shutil.copyfile(piece, folders[-1] / piece.name)
+    for d in folders:
         (d / MANIFEST).write_text(json.dumps(new, indent=1))
         for k in keep:
             if (src / k).exists():
                 shutil.copyfile(src / k, d / k)
-    missing = [c for c in new["chunks"] if c not in pieces]
+    there = {p.name for d in folders for p in d.glob(f"{NAME}.*")}
+    missing = [c for c in new["chunks"] if c not in there]
     print(
-        f"{dst}: {len(pieces)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
+        f"{dst}: {len(there)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
         + (f"; missing {missing}" if missing else "")
     )
     return folders
@@ -188,31 +179,25 @@ def unpack(stash: Path, cache: Path) -> int | None:
         tgz.unlink()
 
 
-def _runs(src: Path):
-    """(tar, run entry) of each run in the set at src (as gather), the tar open while iterating."""
+def contents(src: Path, stages=()) -> tuple[list[str], dict[str, dict[str, dict]]]:
+    """The commands of the set's runs, and the reports/<stage>/<part>.json outputs of those runs for each
+    of `stages`, from one read of the set at src (as gather; nothing where it holds no whole set)."""
+    commands, found = [], {stage: {} for stage in stages}
     tgz = gather(src, src / f".{NAME}.reading")
     if tgz is None:
-        return
+        return commands, found
     try:
         with tarfile.open(tgz) as tar:
             for m in tar.getmembers():
-                if m.name.startswith("runs/"):
-                    yield tar, yaml.safe_load(tar.extractfile(m))
+                if not m.name.startswith("runs/"):
+                    continue
+                run = yaml.safe_load(tar.extractfile(m))
+                commands.append(run["cmd"])
+                for o in run.get("outs") or []:
+                    top, stage, *rest = Path(o["path"]).parts + ("",)
+                    if top == "reports" and stage in found and len(rest) == 2:  # reports/<stage>/<part>.json
+                        obj = tar.extractfile(f"files/md5/{o['md5'][:2]}/{o['md5'][2:]}")
+                        found[stage][Path(o["path"]).stem] = json.load(obj)
     finally:
         tgz.unlink()
-
-
-def commands(src: Path) -> list[str]:
-    """The commands of the set's runs (none where src holds no whole set)."""
-    return [run["cmd"] for _, run in _runs(src)]
-
-
-def reports(src: Path, stage: str) -> dict[str, dict]:
-    """The reports/<stage>/<part>.json outputs of the set's runs."""
-    found = {}
-    for tar, run in _runs(src):
-        for o in run.get("outs") or []:
-            rel = Path(o["path"])
-            if rel.parent == Path("reports", stage):
-                found[rel.stem] = json.load(tar.extractfile(f"files/md5/{o['md5'][:2]}/{o['md5'][2:]}"))
-    return found
+    return commands, found

@@ -105,6 +105,6 @@ def test_a_new_set_replaces_the_old_one_in_the_carried_folders(made, tmp_path):
     (made / "input.txt").write_text("three")
     sh("dvc repro -q", made)  # a second run of `make`: a new set with both runs
     carried = carry(made / ".dvc" / "cache", tmp_path, "2")
-    assert rc.commands(carried) == ["python make.py"] * 2
+    assert rc.contents(carried)[0] == ["python make.py"] * 2
     sets = {(d / rc.MANIFEST).read_text() for d in carried.iterdir()}
     assert len(sets) == 1  # every folder holds the new set's manifest, no chunk of the old one
