@@ -3,27 +3,36 @@
 point trains the same epochs (--epochs, fewer than the profile's 13, to fit the lent machines' time)
 and evaluates chains only (k 3 and 7, one speed question, no gate).
 
-    python -m bench.gpu_curve plan [--epochs 3] [--saved .carry/curve] [--machine-min 24]
-        the points not finished yet, each one's minutes and the lent machine it falls on, from the
+    python -m bench.gpu_curve plan [--epochs 3] [--points P,..] [--saved .carry/curve] [--machine-min 24]
+        the points not finished yet, each one's minutes and the lent machine(s) it falls on, from the
         stage times of the first finished point (bench/results/gpu_curve/; before one, of the GPU
         profile's run) and what the saved run-cache already holds
-    python -m bench.gpu_curve run [--budget 1700] [--epochs 3] [--turns 1] [--detach] [--count N] [-S k=v]
-        the points not done yet, in order: for each, bench.gpu_profile's setup (the GPU profile with
-        the point's data.parts) and run, then its report into <workdir>/bench/out/curve/<point>/;
-        stops at the budget, and carries on where it stopped when called again (on this machine, or
-        on a fresh one after `load`). --detach: in the background; follow it with `wait`.
+    python -m bench.gpu_curve run [--budget 1700] [--epochs 3] [--points P,..] [--turns 1] [--detach]
+                                  [--count N] [-S k=v]
+        the points not done yet (--points: those, e.g. --points syn2x --epochs 13 for the profile's
+        epochs), in order: for each, bench.gpu_profile's setup (the GPU profile with the point's
+        data.parts) and run, then its report into <workdir>/bench/out/curve/<point>/ (<point>-<E>ep at
+        other epochs than 3); stops at the budget, and carries on where it stopped when called again:
+        on this machine, or on a fresh one after `load`, training too (from the checkpoint `save`
+        carried). --detach: in the background; follow it with `wait`.
     python -m bench.gpu_curve wait [--budget 560]
+    python -m bench.gpu_curve stop
+        a detached run stopped as its budget would: the running stage interrupted (training saves a
+        checkpoint first); returns once the run has exited
     python -m bench.gpu_curve save --out DIR
         what a fresh machine should not redo, in files a device call brings back: the DVC run-cache
         entries of the synthetic, generate, tokenize and teacher stages with their outputs (chunks
-        runcache.tgz.NNN + runcache.json, bench/runcache_carry.py) and the finished points
-        (points.tgz); a set over one call's 60 MiB goes on with `save` in the next call
+        runcache.tgz.NNN + runcache.json, bench/runcache_carry.py), the finished points (points.tgz)
+        and, where a point stopped inside training, its checkpoint (~260 MiB for the profile's drafter:
+        5 calls) and stage times so far; a set over one call's 60 MiB goes on with `save` in the next
+        call. Collected, a newer set replaces the older one only once it is whole.
     python -m bench.gpu_curve collect SRC [--into .carry/curve]
         here: a call's returned files into .carry/curve/1, 2, ... (one carried folder each)
     python -m bench.gpu_curve load DIR
         on a fresh machine, before `run`, once per carried folder: the saved runs into the work repo's
         DVC cache once all chunks are there, so `dvc repro` restores those stages ("Stage ... is
-        cached") instead of running them again; points done
+        cached") instead of running them again, and an unfinished point's checkpoint where stages.train
+        resumes it ("resumed from ... at epoch E step S"); points done
     python -m bench.gpu_curve table DIR [--results bench/results]
         here: the points' reports (DIR/points.tgz or DIR/<point>/) and their table (curve.json) into
         <results>/gpu_curve/, the synthetic parts' filter counts from the saved run-cache into
@@ -43,13 +52,17 @@ A session's calls, back to back (bench/gpu_carry.py for the packages):
              call per folder an earlier session collected (a folder and .carry/3 share one call where
              both fit in 58 MiB); with the last, python3 -m bench.gpu_curve
              run --detach --budget B (B: the session's device seconds left, less ~4 minutes); wait
-    device:  wait --budget 560, again until it ends; then python3 -m bench.gpu_curve save --out $OUT,
-             again in another call while it says chunks are left
+    device:  wait --budget 560, again until it ends (or `stop` it: training saves a checkpoint); then
+             python3 -m bench.gpu_curve save --out $OUT, again in another call while it says chunks
+             are left
     here:    python -m bench.gpu_curve collect /work/.device/<call> after each save call; once every
              point is in, python -m bench.gpu_curve table .carry/curve. The curve smoke-tested on the
              CPU with tiny parts (-S data.sharegpt=..., --count 4, --epochs 1): all five points, then
              save, load into a fresh work repo, and a rerun that restored every synthetic and generate
-             stage from the saved run-cache."""
+             stage from the saved run-cache. And a point stopped inside training (--epochs 40 --budget
+             200): saved in 5 calls, loaded in a fresh work repo, its stores extracted again, it resumed
+             at the step it stopped at; its drafter came out byte for byte the one the first work repo
+             made on resuming there."""
 
 import argparse
 import json
@@ -74,7 +87,11 @@ POINTS = {
     "syn2x": [*SHAREGPT, "synth-000", "synth-001"],
     "syn4x": [*SHAREGPT, "synth-000", "synth-001", "synth-002", "synth-003"],
 }
+EPOCHS = 3  # the curve's epochs: a point at other epochs is reported as <point>-<epochs>ep
 CURVE = "bench/out/curve"
+CKPT = Path(".eaglenest") / "train"  # stages.train's checkpoints in the work repo
+RUNNING = f"{CURVE}/running"  # the point begun and not finished (its stage times are gp.TIMES)
+CKPT_S = 90  # a run that goes on on the next machine: its checkpoint saved there, loaded here (calls)
 # stages a fresh machine restores from the saved run-cache: the texts (the GPU's costly decoding) and
 # the small per-part outputs of stages that read a store (a store is GBs: each machine extracts again;
 # teacher@<part> is restored where that extraction comes out byte for byte the same)
@@ -82,6 +99,17 @@ SAVED_STAGES = tuple(f"python -m stages.{s} " for s in ("synthetic", "generate",
 CALL_BYTES = 60 * 2**20  # a device call brings back <= 64 MiB
 CARRY_BYTES = 58 * 2**20  # and carries <= 64 MiB with the working tree (as bench.gpu_carry's chunks)
 STASH = Path.home() / "curve_in"
+
+
+def label(name: str, epochs: int) -> str:
+    return name if epochs == EPOCHS else f"{name}-{epochs}ep"
+
+
+def points_arg(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    if bad := [n for n in names if n not in POINTS]:
+        raise argparse.ArgumentTypeError(f"no point {', '.join(bad)} (points: {', '.join(POINTS)})")
+    return names
 
 
 def synthetic_parts(turns: int, count: int = COUNT) -> dict:
@@ -124,16 +152,18 @@ def rates(results: Path) -> dict:
     }
 
 
-def plan(epochs: int, saved: Path, machine_s: float, results: Path) -> None:
+def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results: Path) -> None:
     """The points not yet finished, in `run`'s order, packed onto fresh machines of `machine_s` run-seconds.
     A machine extracts each part it uses once; a part's text (prompts, answers) and tokens are made once
-    over all machines (the saved run-cache), and its teacher too where its store comes out the same."""
+    over all machines (the saved run-cache), and its teacher too where its store comes out the same. A
+    point longer than a machine trains on over the next ones from its checkpoint (save carries it),
+    each of them extracting the point's states again."""
     rt = rates(results)
     commands, found = rc.contents(saved, ["generate"])
     gen = found["generate"]
     done = set()
-    if points := points_tgz(saved):
-        with tarfile.open(points) as tar:
+    if points_file := points_tgz(saved):
+        with tarfile.open(points_file) as tar:
             done = {n.split("/")[0] for n in tar.getnames()}
     done |= {p.parent.name for p in (results / "gpu_curve").glob("*/gpu_profile.json")}
     synth = [g["prompt_tokens"] + g["generated_tokens"] for p, g in gen.items() if p.startswith("synth")]
@@ -156,7 +186,8 @@ def plan(epochs: int, saved: Path, machine_s: float, results: Path) -> None:
     )
 
     def cost(parts, on_machine):
-        """(seconds of the point on a machine holding on_machine's stores, of which before any extraction)"""
+        """(seconds of the point before training on a machine holding on_machine's stores, of which
+        before any extraction)"""
         text = states = 0.0
         for part in set(parts) - on_machine:
             n = tokens(part)
@@ -164,32 +195,45 @@ def plan(epochs: int, saved: Path, machine_s: float, results: Path) -> None:
             text += n * rt["generate_s_tok"] * (part not in have["generate"])
             text += n * rt["tokenize_s_tok"] * (part not in have["tokenize"])
             states += n * rt["extract_s_tok"] + n * rt["teacher_s_tok"] * (part not in have["teacher"])
-        return rt["fixed_s"] + text + states + epochs * sum(map(tokens, parts)) / rt["train_tok_s"], text
+        return rt["fixed_s"] + text + states, text
 
-    machine, used, on_machine, unsure = 1, 0.0, set(), 0.0
-    for name, parts in POINTS.items():
-        if name in done:
-            print(f"{name:9s} done")
+    def unsure(parts):  # teacher runs restored only where the store comes out byte for byte the same
+        return sum(tokens(p) * rt["teacher_s_tok"] for p in set(parts) if p in have["teacher"])
+
+    machine, used, on_machine, extra = 1, 0.0, set(), 0.0
+    for name in points:
+        parts, lab = POINTS[name], label(name, epochs)
+        if lab in done:
+            print(f"{lab:12s} done")
             continue
-        s, text = cost(parts, on_machine)
-        if used and used + s > machine_s:  # a fresh machine; this one's last minutes make the texts
+        pre, text = cost(parts, on_machine)
+        train = epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
+        if used and used + pre + train > machine_s:  # a fresh machine; this one's last minutes make the texts
             if machine_s - used >= text:
                 for stage in ("synthetic", "generate", "tokenize"):
                     have[stage] |= set(parts)
             machine, used, on_machine = machine + 1, 0.0, set()
-            s, _ = cost(parts, on_machine)
-        unsure += sum(tokens(p) * rt["teacher_s_tok"] for p in set(parts) - on_machine if p in have["teacher"])
-        used += s
-        on_machine |= set(parts)
+            pre, _ = cost(parts, on_machine)
+        extra += unsure(set(parts) - on_machine)
+        first, total = machine, pre + train
         for stage in have.values():
             stage |= set(parts)
-        warn = "  (over one machine: it cannot finish)" if s > machine_s else ""
+        while used + pre + train > machine_s and machine_s - used - pre - CKPT_S > 60:  # trains on next machine
+            train -= machine_s - used - pre - CKPT_S
+            machine, used = machine + 1, 0.0
+            pre = cost(parts, set())[0] + CKPT_S  # its stores extracted again, the checkpoint loaded
+            extra += unsure(parts)
+            total += CKPT_S + pre  # the checkpoint saved there, and this machine's own start of the point
+        used += pre + train
+        on_machine = set(parts) if machine > first else on_machine | set(parts)
+        where = f"machine {first}" + (f"-{machine}" if machine > first else "")
+        warn = "  (over one machine: it cannot finish)" if used > machine_s else ""
         toks = sum(map(tokens, parts)) / 1e6
-        print(f"{name:9s} machine {machine}  ~{toks:5.1f}M tokens x {epochs} epochs  ~{s / 60:4.1f} min{warn}")
+        print(f"{lab:12s} {where:12s} ~{toks:5.1f}M tokens x {epochs} epochs  ~{total / 60:4.1f} min{warn}")
     print(
         f"{machine} machine(s) of ~30 minutes each (start, carried packages and save included), counting "
         f"teacher@<part> restored from the saved run where the part has one; where a store does not come "
-        f"out byte for byte the same, teacher runs again: +{unsure / 60:.1f} min over all machines"
+        f"out byte for byte the same, teacher runs again: +{extra / 60:.1f} min over all machines"
     )
 
 
@@ -202,32 +246,50 @@ def finished(work: Path) -> set[str]:
     return {p.parent.name for p in (work / CURVE).glob("*/gpu_profile.json")}
 
 
-def run(work: Path, budget: float, epochs: int, turns: int, count: int, profile: str, extra: list[str]) -> None:
+def run(
+    work: Path, budget: float, epochs: int, turns: int, count: int, profile: str, extra: list[str], points: list[str]
+) -> None:
     t0 = time.time()
-    for name in POINTS:
-        if name in finished(work):
-            print(f"== {name}: done before")
+    for name in points:
+        lab = label(name, epochs)
+        if lab in finished(work):
+            print(f"== {lab}: done before")
             continue
         left = budget - (time.time() - t0)
         if left < 180:
-            print(f"budget spent; next point: {name}")
+            print(f"budget spent; next point: {lab}")
             return
-        print(f"== point {name}: {', '.join(POINTS[name])}, {epochs} epochs", flush=True)
+        print(f"== point {lab}: {', '.join(POINTS[name])}, {epochs} epochs", flush=True)
         gp.setup(work, profile, point_sets(name, epochs, turns, count, extra))
-        (work / gp.TIMES).parent.mkdir(parents=True, exist_ok=True)
-        (work / gp.TIMES).write_text("{}")  # this point's own stage times (stages restored or skipped: none)
+        running = work / RUNNING
+        if running.exists() and running.read_text() == lab:  # begun before, here or on an earlier machine
+            ckpts = ", ".join(p.name for p in (work / CKPT).glob("last-*.pt")) or "none"
+            print(f"{lab} goes on: its stage times so far are kept; training checkpoint(s) here: {ckpts}")
+        else:  # this point's own stage times (stages restored or skipped: none)
+            (work / gp.TIMES).parent.mkdir(parents=True, exist_ok=True)
+            (work / gp.TIMES).write_text("{}")
+            running.parent.mkdir(parents=True, exist_ok=True)
+            running.write_text(lab)
         if not gp.run(work, left, 60):
-            print(f"budget spent inside point {name}; it carries on next call")
+            print(f"budget spent inside point {lab}; it carries on next call (save carries its checkpoint)")
             return
-        gp.report(work, work / CURVE / name)
+        gp.report(work, work / CURVE / lab)
+        for ck in (work / CKPT).glob("last-*.pt"):  # done with: what `save` finds is an unfinished point's
+            ck.unlink()
+        (work / RUNNING).unlink()
     print("curve: all points done")
 
 
 def save(work: Path, out: Path) -> None:
     """The saved stages' run-cache (bench/runcache_carry.py) and the finished points into out, at most
     one call's bytes; a set too big for one call goes on in the next call's `save`."""
+    if pid := gp.running_pid(work):
+        sys.exit(f"a run is going (pid {pid}): its checkpoint may change under save; `stop` it first")
     staging = work / "bench" / "out" / "saved"
-    manifest = rc.pack(work / ".dvc" / "cache", SAVED_STAGES, staging)
+    ckpts = sorted((work / CKPT).glob("last-*.pt"))  # an unfinished point's (a finished one's are removed)
+    going_on = [*ckpts, work / gp.TIMES, work / RUNNING] if ckpts and (work / RUNNING).exists() else []
+    going_on = [f for f in going_on if f.exists()]
+    manifest = rc.pack(work / ".dvc" / "cache", SAVED_STAGES, staging, {str(f.relative_to(work)): f for f in going_on})
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out / "points.tgz", "w:gz") as tar:
         for name in sorted(finished(work)):
@@ -236,6 +298,7 @@ def save(work: Path, out: Path) -> None:
     print(
         f"{out}: {manifest['runs']} stage runs in {len(manifest['chunks'])} chunk(s), "
         f"{len(manifest['chunks']) - len(left)} sent so far; points {sorted(finished(work))}"
+        + (f"; {(work / RUNNING).read_text()} goes on from {ckpts[0].name}" if going_on else "")
         + (f"; {len(left)} chunk(s) left: call save again" if left else "")
     )
 
@@ -249,8 +312,10 @@ def load(work: Path, src: Path) -> None:
     if (src / "points.tgz").exists():
         with tarfile.open(src / "points.tgz") as tar:
             tar.extractall(work / CURVE, filter="data")
-    runs = rc.unpack(STASH, work / ".dvc" / "cache")
+    runs = rc.unpack(STASH, work / ".dvc" / "cache", root=work)
     state = f"{runs} stage runs restored into the DVC cache" if runs is not None else f"{have} of {total} chunks here"
+    if runs is not None and (work / RUNNING).exists():
+        state += f"; {(work / RUNNING).read_text()} goes on from its checkpoint"
     print(f"{work}: {state}; points done: {sorted(finished(work))}")
 
 
@@ -268,14 +333,12 @@ def table(src: Path, results: Path) -> None:
         (dst / "synthetic" / f"{part}.json").write_text(json.dumps(rep, indent=1) + "\n")
     filters = {f.stem: json.loads(f.read_text()) for f in (dst / "synthetic").glob("*.json")}
     rows = []
-    for name, parts in POINTS.items():
-        f = dst / name / "gpu_profile.json"
-        if not f.exists():
-            continue
+    for f in sorted(dst.glob("*/gpu_profile.json"), key=lambda f: (list(POINTS).index(f.parent.name.split("-")[0]), f)):
         r = json.loads(f.read_text())
+        parts = POINTS[f.parent.name.split("-")[0]]
         rows.append(
             {
-                "point": name,
+                "point": f.parent.name,  # <point>, or <point>-<epochs>ep at other epochs than the curve's
                 "parts": parts,
                 # pack's own counts: reports of parts outside the point may lie in the workspace
                 "samples": {k: v["samples"] for k, v in r["pack"]["parts"].items()},
@@ -309,8 +372,17 @@ def main() -> None:
     p = sub.add_parser("plan")
     r = sub.add_parser("run")
     for x in (p, r):
-        x.add_argument("--epochs", type=int, default=3, help="every point's epochs (the profile's: 13)")
+        x.add_argument(
+            "--epochs",
+            type=int,
+            default=EPOCHS,
+            help="every point's epochs (the profile's: 13); other than "
+            f"{EPOCHS}, a point is reported as <point>-<epochs>ep",
+        )
         x.add_argument("--turns", type=int, default=1, help="user turns per synthetic conversation")
+        x.add_argument(
+            "--points", type=points_arg, default=list(POINTS), help=f"comma-separated, of {', '.join(POINTS)} (all)"
+        )
     r.add_argument("--budget", type=float, default=1700)
     r.add_argument("--count", type=int, default=COUNT, help="conversations per synthetic part (1x)")
     r.add_argument("--profile", default="gpu", help="profiles/<name>.yaml under the points' keys")
@@ -318,6 +390,7 @@ def main() -> None:
     r.add_argument("--detach", action="store_true", help="in the background, outliving this call; then `wait`")
     w = sub.add_parser("wait")
     w.add_argument("--budget", type=float, default=560)
+    sub.add_parser("stop", help="stop a detached run as its budget would (training saves a checkpoint)")
     s = sub.add_parser("save")
     s.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out/curve_saved")))
     ld = sub.add_parser("load")
@@ -333,14 +406,17 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=gp.REPO / "bench" / "results")
     a = ap.parse_args()
     if a.cmd == "plan":
-        plan(a.epochs, a.saved, a.machine_min * 60, a.results)
+        plan(a.epochs, a.points, a.saved, a.machine_min * 60, a.results)
     elif a.cmd == "run" and a.detach:
         args = [f"--{k}={getattr(a, k)}" for k in ("budget", "epochs", "turns", "count", "profile")]
+        args.append(f"--points={','.join(a.points)}")
         gp.detach(a.workdir, [*args, *(f"-S{x}" for x in a.sets)], module="bench.gpu_curve")
     elif a.cmd == "run":
-        run(a.workdir, a.budget, a.epochs, a.turns, a.count, a.profile, a.sets)
+        run(a.workdir, a.budget, a.epochs, a.turns, a.count, a.profile, a.sets, a.points)
     elif a.cmd == "wait":
         gp.wait(a.workdir, a.budget, done=("curve: all points done", "budget spent"))
+    elif a.cmd == "stop":
+        gp.stop(a.workdir)
     elif a.cmd == "save":
         save(a.workdir, a.out)
     elif a.cmd == "load":

@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -156,9 +157,17 @@ def stages(work: Path) -> list[str]:
     return [s for s in out.split() if s]
 
 
+def raise_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def stream(cmd: list[str], work: Path, log_name: str, deadline: float) -> tuple[int, list[str]]:
     """Run cmd, teeing its output to bench/out/logs/<log_name>.log; SIGINT (then SIGKILL) at the
-    deadline, raising TimeoutError. Returns (exit code, output lines)."""
+    deadline, raising TimeoutError, or when this process is interrupted (SIGINT, SIGTERM: `stop`),
+    re-raising: cmd runs in a session of its own, which a signal to this one's would not reach.
+    Returns (exit code, output lines)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_on_sigterm)
     p = subprocess.Popen(
         cmd, cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -175,7 +184,7 @@ def stream(cmd: list[str], work: Path, log_name: str, deadline: float) -> tuple[
             if time.time() > deadline:
                 raise TimeoutError
         p.wait()
-    except TimeoutError:
+    except (TimeoutError, KeyboardInterrupt):
         os.killpg(p.pid, signal.SIGINT)  # DVC cleans up on an interrupt; the trainer keeps its checkpoint
         try:
             p.wait(30)
@@ -234,9 +243,10 @@ def run(work: Path, budget: float, min_left: float, until: str | None = None) ->
         t = time.time()
         try:
             rc, lines = stream(["dvc", "repro", "--single-item", stage], work, stage, t0 + budget)
-        except TimeoutError:
+        except (TimeoutError, KeyboardInterrupt) as e:
             add_time(work, stage, time.time() - t)
-            print(f"stopped {stage} at the budget after {time.time() - t:.0f} s; it resumes next call")
+            why = "at the budget" if isinstance(e, TimeoutError) else f"on {e or 'an interrupt'}"
+            print(f"stopped {stage} {why} after {time.time() - t:.0f} s; it resumes next call")
             return False
         if rc != 0:
             print("".join(lines[-40:]))
@@ -284,6 +294,32 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except (ProcessLookupError, FileNotFoundError):
         return False
+
+
+def running_pid(work: Path) -> int | None:
+    """The pid of a detached run still going, or None."""
+    path = work / RUN_PID
+    pid = int(path.read_text()) if path.exists() else None
+    return pid if pid is not None and alive(pid) else None
+
+
+def stop(work: Path, timeout: float = 90) -> None:
+    """Stop a detached run as its budget would: SIGTERM to it, which interrupts the running stage (the
+    trainer finishes its step and saves a checkpoint); returns once it has exited."""
+    pid = running_pid(work)
+    if pid is None:
+        print("no run going")
+        return
+    os.kill(pid, signal.SIGTERM)
+    t0 = time.time()
+    while alive(pid):
+        if time.time() - t0 > timeout:
+            os.killpg(pid, signal.SIGKILL)
+            sys.exit(
+                f"run {pid} did not stop in {timeout:.0f} s after SIGTERM: killed (its stage's checkpoint may be older)"
+            )
+        time.sleep(1)
+    print(f"run {pid} stopped after {time.time() - t0:.0f} s")
 
 
 def wait(work: Path, budget: float, done=("all stages done", "stages done through")) -> None:

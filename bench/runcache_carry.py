@@ -3,13 +3,17 @@ this one in pieces a device call can move (files of <= 16 MiB, <= 64 MiB a call)
 loads them restores those stages as DVC restores any stage run ("Stage ... is cached") instead of
 running them again.
 
-    pack(cache, stages, staging)      on the machine: the entries and their objects in one tar.gz, in
-                                      chunks under `staging`, with a manifest (count, sha256, entries)
+    pack(cache, stages, staging, extra)
+                                      on the machine: the entries and their objects in one tar.gz, in
+                                      chunks under `staging`, with a manifest (count, sha256, entries);
+                                      `extra` files go with them (a training checkpoint: a run that
+                                      goes on on the next machine)
     send(staging, out, max_bytes)     the chunks not sent yet, up to max_bytes, into `out` (the call's
                                       $OUT); again in the next call until none is left
     collect(src, dst, max_bytes)      here: the returned files into dst/1, dst/2, ... each one call's carry
+                                      (a newer set replaces them only once it is whole)
     receive(src, stash)               on the next machine, once per carried folder: its chunks into stash;
-                                      unpack(stash, cache) once every chunk is there
+                                      unpack(stash, cache, root) once every chunk is there
     gather(src)                       the whole tar.gz (sha256-checked) from src and its folders
     contents(src, stages)             its commands and the reports of those stages
 
@@ -23,9 +27,12 @@ from pathlib import Path
 
 import yaml
 
+from eaglenest.atomic import replaced_file
+
 CHUNK = 14 * 2**20  # a device call brings back files of <= 16 MiB; four fill one carried folder
 MANIFEST = "runcache.json"
 NAME = "runcache.tgz"
+EXTRA = "extra/"  # the tar's members that are not DVC cache files: `extra`'s, by their relative path
 
 
 def entries(cache: Path, stages: tuple[str, ...]) -> list[Path]:
@@ -48,20 +55,22 @@ def entries(cache: Path, stages: tuple[str, ...]) -> list[Path]:
     return list(dict.fromkeys(members))
 
 
-def pack(cache: Path, stages: tuple[str, ...], staging: Path) -> dict:
-    """The entries in chunks under staging (kept when the same entries were packed before, so a second
-    `send` continues the first one's set)."""
-    members = entries(cache, stages)
-    listing = hashlib.sha256("\n".join(str(m.relative_to(cache)) for m in members).encode()).hexdigest()
+def pack(cache: Path, stages: tuple[str, ...], staging: Path, extra: dict[str, Path] | None = None) -> dict:
+    """The entries, and the `extra` files (relative path there -> file here), in chunks under staging
+    (kept when the same files were packed before, so a second `send` continues the first one's set)."""
+    members = [(m, str(m.relative_to(cache))) for m in entries(cache, stages)]
+    members += [(f, EXTRA + rel) for rel, f in sorted((extra or {}).items())]
+    stamp = lambda f, name: f"{name} {f.stat().st_size} {f.stat().st_mtime_ns}" if name.startswith(EXTRA) else name  # noqa: E731
+    listing = hashlib.sha256("\n".join(stamp(*m) for m in members).encode()).hexdigest()
     old = staging / MANIFEST
     if old.exists() and json.loads(old.read_text()).get("listing") == listing:
         return json.loads(old.read_text())
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     tgz = staging / NAME
-    with tarfile.open(tgz, "w:gz") as tar:
-        for m in members:
-            tar.add(m, arcname=str(m.relative_to(cache)))
+    with tarfile.open(tgz, "w:gz", compresslevel=1) as tar:  # a checkpoint's floats barely compress
+        for m, name in members:
+            tar.add(m, arcname=name)
     digest, chunks = hashlib.sha256(), []
     with open(tgz, "rb") as f:
         while piece := f.read(CHUNK):
@@ -69,8 +78,10 @@ def pack(cache: Path, stages: tuple[str, ...], staging: Path) -> dict:
             chunks.append(f"{NAME}.{len(chunks):03d}")
             (staging / chunks[-1]).write_bytes(piece)
     tgz.unlink()
-    runs = sum(1 for m in members if m.relative_to(cache).parts[0] == "runs")
-    manifest = {"sha256": digest.hexdigest(), "chunks": chunks, "runs": runs, "listing": listing, "sent": []}
+    runs = sum(1 for _, name in members if name.startswith("runs/"))
+    extras = [name.removeprefix(EXTRA) for _, name in members if name.startswith(EXTRA)]
+    manifest = {"sha256": digest.hexdigest(), "chunks": chunks, "runs": runs, "extra": extras, "listing": listing}
+    manifest["sent"] = []
     old.write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -98,23 +109,25 @@ def _manifest(src: Path) -> dict | None:
 
 
 def collect(src: Path, dst: Path, max_bytes: int, keep=("points.tgz",)) -> list[Path]:
-    """The chunks a device call returned (src) added to dst's numbered folders of <= max_bytes each
-    (those of an older set removed first); the newest manifest and the files named in `keep` go into
-    every folder."""
+    """The chunks a device call returned (src) added to dst's numbered folders of <= max_bytes each; the
+    set's manifest and the files named in `keep` go into every folder. A newer set (another manifest)
+    is laid out in dst/next/ and replaces dst's folders only once every chunk of it is there: a session
+    whose save calls were cut short leaves the older whole set in place."""
     if not (src / MANIFEST).exists():
         raise SystemExit(f"{src}: no {MANIFEST} (not what bench.gpu_curve save returns)")
     new = json.loads((src / MANIFEST).read_text())
     have = _manifest(dst) if dst.exists() else None
-    if have is not None and have["sha256"] != new["sha256"]:
-        for d in dst.glob("[0-9]*"):
-            shutil.rmtree(d)
-    folders = sorted(dst.glob("[0-9]*"), key=lambda d: int(d.name))
+    into = dst if have is None or have["sha256"] == new["sha256"] else dst / "next"
+    pending = _manifest(into) if into != dst and into.exists() else None
+    if pending is not None and pending["sha256"] != new["sha256"]:  # a newer set still: start it again
+        shutil.rmtree(into)
+    folders = sorted(into.glob("[0-9]*"), key=lambda d: int(d.name))
     size = lambda d: sum(p.stat().st_size for p in d.glob(f"{NAME}.*"))  # noqa: E731
     for piece in sorted(src.glob(f"{NAME}.*")):
         if any((d / piece.name).exists() for d in folders):
             continue
         if not folders or size(folders[-1]) + piece.stat().st_size > max_bytes:
-            folders.append(dst / str(len(folders) + 1))
+            folders.append(into / str(len(folders) + 1))
             folders[-1].mkdir(parents=True)
         shutil.copyfile(piece, folders[-1] / piece.name)
     for d in folders:
@@ -124,9 +137,19 @@ def collect(src: Path, dst: Path, max_bytes: int, keep=("points.tgz",)) -> list[
                 shutil.copyfile(src / k, d / k)
     there = {p.name for d in folders for p in d.glob(f"{NAME}.*")}
     missing = [c for c in new["chunks"] if c not in there]
+    if into != dst and not missing:  # the newer set is whole: it replaces the older one
+        for d in dst.glob("[0-9]*"):
+            shutil.rmtree(d)
+        folders = [d.rename(dst / d.name) for d in folders]
+        into.rmdir()
+        into = dst
     print(
-        f"{dst}: {len(there)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
-        + (f"; missing {missing}" if missing else "")
+        f"{into}: {len(there)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
+        + (
+            f"; missing {missing}" + (f" (the whole older set stays in {dst})" if into != dst else "")
+            if missing
+            else ""
+        )
     )
     return folders
 
@@ -166,15 +189,23 @@ def receive(src: Path, stash: Path) -> tuple[int, int]:
     return sum((stash / c).exists() for c in manifest["chunks"]), len(manifest["chunks"])
 
 
-def unpack(stash: Path, cache: Path) -> int | None:
-    """The set into a DVC cache once complete; the number of stage runs it restored, or None."""
+def unpack(stash: Path, cache: Path, root: Path | None = None) -> int | None:
+    """The set into a DVC cache once complete, and its extra files under `root` (each whole or not at
+    all: written beside, then renamed); the number of stage runs it restored, or None."""
     tgz = gather(stash, stash / f".{NAME}")
     if tgz is None:
         return None
     try:
         with tarfile.open(tgz) as tar:
-            tar.extractall(cache, filter="data")
-            return sum(1 for m in tar.getnames() if m.startswith("runs/"))
+            members = tar.getmembers()
+            tar.extractall(cache, members=[m for m in members if not m.name.startswith(EXTRA)], filter="data")
+            for m in members if root is not None else []:
+                if m.isfile() and m.name.startswith(EXTRA):
+                    dst = root / m.name.removeprefix(EXTRA)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    with replaced_file(dst) as tmp, open(tmp, "wb") as f:
+                        shutil.copyfileobj(tar.extractfile(m), f)
+            return sum(1 for m in members if m.name.startswith("runs/"))
     finally:
         tgz.unlink()
 
