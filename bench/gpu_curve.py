@@ -276,7 +276,7 @@ def run(
         gp.report(work, work / CURVE / lab)
         for ck in (work / CKPT).glob("last-*.pt"):  # done with: what `save` finds is an unfinished point's
             ck.unlink()
-        (work / RUNNING).unlink()
+        (work / RUNNING).unlink(missing_ok=True)
     print("curve: all points done")
 
 
