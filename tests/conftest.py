@@ -16,6 +16,9 @@ from eaglenest.target import fingerprint, load_target, materialize
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".eaglenest" / "test-cache"
+# the tests' own DVC projects have no `core.analytics false`: with no internet, each DVC command's
+# analytics report (a file in /tmp) is never sent and never removed
+os.environ["DVC_NO_ANALYTICS"] = "1"
 
 
 @pytest.fixture(scope="session")
