@@ -55,13 +55,18 @@ def entries(cache: Path, stages: tuple[str, ...]) -> list[Path]:
     return list(dict.fromkeys(members))
 
 
+def _stamp(f: Path, name: str) -> str:
+    """A member as the listing names it: a cache file by its name (named by its content), an extra
+    file also by its size and time (a checkpoint that moved on keeps its name)."""
+    return f"{name} {f.stat().st_size} {f.stat().st_mtime_ns}" if name.startswith(EXTRA) else name
+
+
 def pack(cache: Path, stages: tuple[str, ...], staging: Path, extra: dict[str, Path] | None = None) -> dict:
     """The entries, and the `extra` files (relative path there -> file here), in chunks under staging
     (kept when the same files were packed before, so a second `send` continues the first one's set)."""
     members = [(m, str(m.relative_to(cache))) for m in entries(cache, stages)]
     members += [(f, EXTRA + rel) for rel, f in sorted((extra or {}).items())]
-    stamp = lambda f, name: f"{name} {f.stat().st_size} {f.stat().st_mtime_ns}" if name.startswith(EXTRA) else name  # noqa: E731
-    listing = hashlib.sha256("\n".join(stamp(*m) for m in members).encode()).hexdigest()
+    listing = hashlib.sha256("\n".join(_stamp(*m) for m in members).encode()).hexdigest()
     old = staging / MANIFEST
     if old.exists() and json.loads(old.read_text()).get("listing") == listing:
         return json.loads(old.read_text())
@@ -143,14 +148,10 @@ def collect(src: Path, dst: Path, max_bytes: int, keep=("points.tgz",)) -> list[
         folders = [d.rename(dst / d.name) for d in folders]
         into.rmdir()
         into = dst
-    print(
-        f"{into}: {len(there)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
-        + (
-            f"; missing {missing}" + (f" (the whole older set stays in {dst})" if into != dst else "")
-            if missing
-            else ""
-        )
-    )
+    state = f"{into}: {len(there)} of {len(new['chunks'])} chunks in {len(folders)} folder(s)"
+    if missing:
+        state += f"; missing {missing}" + (f" (the whole older set stays in {dst})" if into != dst else "")
+    print(state)
     return folders
 
 
