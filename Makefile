@@ -60,7 +60,7 @@ sshd:
 	  echo "openssh-server could not be installed: the SSH remote tests will be skipped"
 
 test: setup sglang-env vllm-env sshd
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -x -q $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -x -q --durations=15 $(PYTEST_ARGS)
 
 bench: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m bench.extract_cpu
