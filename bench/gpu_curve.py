@@ -105,6 +105,11 @@ def label(name: str, epochs: int) -> str:
     return name if epochs == EPOCHS else f"{name}-{epochs}ep"
 
 
+def point_of(lab: str) -> str:
+    """The point a report directory (`label`) is of."""
+    return lab.split("-")[0]
+
+
 def points_arg(text: str) -> list[str]:
     names = [n for n in text.split(",") if n]
     if bad := [n for n in names if n not in POINTS]:
@@ -287,8 +292,8 @@ def save(work: Path, out: Path) -> None:
         sys.exit(f"a run is going (pid {pid}): its checkpoint may change under save; `stop` it first")
     staging = work / "bench" / "out" / "saved"
     ckpts = sorted((work / CKPT).glob("last-*.pt"))  # an unfinished point's (a finished one's are removed)
-    going_on = [*ckpts, work / gp.TIMES, work / RUNNING] if ckpts and (work / RUNNING).exists() else []
-    going_on = [f for f in going_on if f.exists()]
+    stopped_in_train = ckpts and (work / RUNNING).exists()
+    going_on = [f for f in (*ckpts, work / gp.TIMES, work / RUNNING) if f.exists()] if stopped_in_train else []
     manifest = rc.pack(work / ".dvc" / "cache", SAVED_STAGES, staging, {str(f.relative_to(work)): f for f in going_on})
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out / "points.tgz", "w:gz") as tar:
@@ -333,9 +338,9 @@ def table(src: Path, results: Path) -> None:
         (dst / "synthetic" / f"{part}.json").write_text(json.dumps(rep, indent=1) + "\n")
     filters = {f.stem: json.loads(f.read_text()) for f in (dst / "synthetic").glob("*.json")}
     rows = []
-    for f in sorted(dst.glob("*/gpu_profile.json"), key=lambda f: (list(POINTS).index(f.parent.name.split("-")[0]), f)):
+    for f in sorted(dst.glob("*/gpu_profile.json"), key=lambda f: (list(POINTS).index(point_of(f.parent.name)), f)):
         r = json.loads(f.read_text())
-        parts = POINTS[f.parent.name.split("-")[0]]
+        parts = POINTS[point_of(f.parent.name)]
         rows.append(
             {
                 "point": f.parent.name,  # <point>, or <point>-<epochs>ep at other epochs than the curve's

@@ -85,8 +85,14 @@ def pack(cache: Path, stages: tuple[str, ...], staging: Path, extra: dict[str, P
     tgz.unlink()
     runs = sum(1 for _, name in members if name.startswith("runs/"))
     extras = [name.removeprefix(EXTRA) for _, name in members if name.startswith(EXTRA)]
-    manifest = {"sha256": digest.hexdigest(), "chunks": chunks, "runs": runs, "extra": extras, "listing": listing}
-    manifest["sent"] = []
+    manifest = {
+        "sha256": digest.hexdigest(),
+        "chunks": chunks,
+        "runs": runs,
+        "extra": extras,
+        "listing": listing,
+        "sent": [],
+    }
     old.write_text(json.dumps(manifest, indent=1))
     return manifest
 

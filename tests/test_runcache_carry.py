@@ -41,10 +41,11 @@ def project(root: Path, text: str) -> Path:
     return root
 
 
-def carry(src_cache: Path, tmp: Path, tag: str, extra=None, calls: int = 20) -> Path:
-    """pack, then send/collect in calls of 250 kB (chunks of 100 kB) until nothing is left (or `calls`)."""
+def carry(src_cache: Path, tmp: Path, tag: str, extra=None, calls: int | None = None) -> Path:
+    """pack, then send/collect in calls of 250 kB (chunks of 100 kB) until nothing is left (or, given
+    `calls`, after that many: a session cut short)."""
     rc.pack(src_cache, ("python make.py",), tmp / f"staging-{tag}", extra)
-    for call in range(1, calls + 1):
+    for call in range(1, (calls or 20) + 1):
         out = tmp / f"out-{tag}-{call}"
         shutil.rmtree(out, ignore_errors=True)  # a call's $OUT starts empty
         out.mkdir()
@@ -52,8 +53,7 @@ def carry(src_cache: Path, tmp: Path, tag: str, extra=None, calls: int = 20) -> 
         rc.collect(out, tmp / "carry", 250_000)
         if not left:
             return tmp / "carry"
-    if calls == 20:
-        raise AssertionError("send never finished")
+    assert calls, "send never finished"
     return tmp / "carry"
 
 
