@@ -39,9 +39,11 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
         <results>/gpu_curve/synthetic/, and `synthetic_curve` of <results>/gpu_profile.json where there is one
 
 A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
-through this machine (.carry/curve/, ignored by git): a DVC run-cache, restored as DVC restores any
-stage run, is what keeps a part's synthetic prompts and answers from being decoded twice, and its
-tokenize and teacher stages from running twice where the store comes out byte for byte the same.
+through this machine (.carry/curve/, ignored by git: it lasts as long as this checkout, a new
+session's fresh checkout starts without it, and `plan` counts only what it holds): a DVC run-cache,
+restored as DVC restores any stage run, is what keeps a part's synthetic prompts and answers from
+being decoded twice, and its tokenize and teacher stages from running twice where the store comes
+out byte for byte the same.
 Stores are extracted again on each machine (~40 s a 4M-token part): they are GBs, the rest MBs.
 
 A session's calls, back to back (bench/gpu_carry.py for the packages):
@@ -183,7 +185,6 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
     for cmd in commands:  # "python -m stages.<stage> <part> ..."
         stage, part = cmd.split()[2].removeprefix("stages."), cmd.split()[3]
         have[stage].add(part)
-    have["generate"] |= set(rt["part_tokens"])  # parts a finished point made (saved then, or not at all)
     print(
         f"rates from {rt['source']}: train {rt['train_tok_s'] / 1e3:.0f}k tok/s; a part's states per M tokens: "
         f"tokenize {rt['tokenize_s_tok'] * 1e6:.1f} s, extract {rt['extract_s_tok'] * 1e6:.1f} s, teacher "
