@@ -191,16 +191,16 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
         f"{rt['teacher_s_tok'] * 1e6:.1f} s; saved: " + ", ".join(f"{k} {len(v)}" for k, v in have.items())
     )
 
-    def cost(parts, on_machine):
+    def cost(parts, on_machine, saved=have):
         """(seconds of the point before training on a machine holding on_machine's stores, of which
         before any extraction)"""
         text = states = 0.0
         for part in set(parts) - on_machine:
             n = tokens(part)
-            text += rt["prompts_s"] * (part.startswith("synth") and part not in have["synthetic"])
-            text += n * rt["generate_s_tok"] * (part not in have["generate"])
-            text += n * rt["tokenize_s_tok"] * (part not in have["tokenize"])
-            states += n * rt["extract_s_tok"] + n * rt["teacher_s_tok"] * (part not in have["teacher"])
+            text += rt["prompts_s"] * (part.startswith("synth") and part not in saved["synthetic"])
+            text += n * rt["generate_s_tok"] * (part not in saved["generate"])
+            text += n * rt["tokenize_s_tok"] * (part not in saved["tokenize"])
+            states += n * rt["extract_s_tok"] + n * rt["teacher_s_tok"] * (part not in saved["teacher"])
         return rt["fixed_s"] + text + states, text
 
     def unsure(parts):  # teacher runs restored only where the store comes out byte for byte the same
@@ -214,6 +214,7 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
             continue
         pre, text = cost(parts, on_machine)
         train = epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
+        alone = cost(parts, set(), {stage: () for stage in have})[0] + train  # on a new session's machine
         if used and used + pre + train > machine_s:  # a fresh machine; this one's last minutes make the texts
             if machine_s - used >= text:
                 for stage in ("synthetic", "generate", "tokenize"):
@@ -235,11 +236,17 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
         where = f"machine {first}" + (f"-{machine}" if machine > first else "")
         warn = "  (over one machine: it cannot finish)" if used > machine_s else ""
         toks = sum(map(tokens, parts)) / 1e6
-        print(f"{lab:12s} {where:12s} ~{toks:5.1f}M tokens x {epochs} epochs  ~{total / 60:4.1f} min{warn}")
+        fits = "fits" if alone <= machine_s else "does not fit"
+        print(
+            f"{lab:12s} {where:12s} ~{toks:5.1f}M tokens x {epochs} epochs  ~{total / 60:4.1f} min{warn}; "
+            f"from nothing saved ~{alone / 60:4.1f} min ({fits} one machine)"
+        )
     print(
         f"{machine} machine(s) of ~30 minutes each (start, carried packages and save included), counting "
         f"teacher@<part> restored from the saved run where the part has one; where a store does not come "
-        f"out byte for byte the same, teacher runs again: +{extra / 60:.1f} min over all machines"
+        f"out byte for byte the same, teacher runs again: +{extra / 60:.1f} min over all machines. A "
+        f"session's device time (30 min) starts one machine, and the saved set lasts as long as this "
+        f"checkout: a point that fits no machine from nothing saved needs machines of one checkout"
     )
 
 
