@@ -51,7 +51,7 @@ A session's calls, back to back (bench/gpu_carry.py for the packages):
     device:  python3 -m bench.gpu_carry stash .carry/N                      (carry .carry/N; N = 1, 2)
     device:  stash .carry/3; install, its exports kept in ~/env.sh
     device:  . ~/env.sh; python3 -m bench.gpu_curve load .carry/curve/N (carry .carry/curve/N), one
-             call per folder an earlier session collected (a folder and .carry/3 share one call where
+             call per folder collected earlier in this checkout (a folder and .carry/3 share one call where
              both fit in 58 MiB); with the last, python3 -m bench.gpu_curve
              run --detach --budget B (B: the session's device seconds left, less ~4 minutes); wait
     device:  wait --budget 560, again until it ends (or `stop` it: training saves a checkpoint); then
