@@ -39,8 +39,8 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
         <results>/gpu_curve/synthetic/, and `synthetic_curve` of <results>/gpu_profile.json where there is one
 
 A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
-through this machine (.carry/curve/, ignored by git: it lasts as long as this checkout, a new
-session's fresh checkout starts without it, and `plan` counts only what it holds): a DVC run-cache,
+through this machine (.carry/curve/, ignored by git: it lasts as long as this checkout, a session
+given a fresh checkout starts without it, and `plan` counts only what it holds): a DVC run-cache,
 restored as DVC restores any stage run, is what keeps a part's synthetic prompts and answers from
 being decoded twice, and its tokenize and teacher stages from running twice where the store comes
 out byte for byte the same.
@@ -140,13 +140,16 @@ def point_sets(name: str, epochs: int, turns: int, count: int = COUNT, extra: li
 
 
 def rates(results: Path) -> dict:
-    """Seconds per unit of work on one H200, from the first finished curve point's own stage times
-    (before any: the committed GPU profile run's)."""
-    done = sorted((results / "gpu_curve").glob("*/gpu_profile.json"))
-    src = done[0] if done else results / "gpu_profile.json"
+    """Seconds per unit of work on one H200, from the stage times of the finished curve point that trained
+    on the most tokens among those that ran every stage (training's tok/s differed between points at the
+    same tokens a step: 121k ShareGPT alone, 185k + 1x), before any, of the committed GPU profile run."""
+    found = {f: json.loads(f.read_text()) for f in (results / "gpu_curve").glob("*/gpu_profile.json")}
+    whole = {f: r for f, r in found.items() if r["wall_s"].get("generate")}  # not one whose stages were restored
+    src = max(whole, key=lambda f: whole[f]["train_tokens"] * whole[f]["train"]["epochs"], default=None)
+    src = src or results / "gpu_profile.json"
     if not src.exists():
         sys.exit(f"{src}: not found (no GPU run to take stage times from)")
-    r = json.loads(src.read_text())
+    r = whole.get(src) or json.loads(src.read_text())
     w, toks = r["wall_s"], r["tokenized_tokens"]
     return {
         "source": str(src),
