@@ -1,6 +1,6 @@
 """Collated training batches read from the stores by worker processes (`train.loader_workers`):
-reading and digest-checking a sample costs ~10-30 ms of one core in zarr, which a GPU's training
-step must not wait on. With no workers the batches are collated in the calling process.
+reading and digest-checking a sample costs ~0.7-4 ms of one core (store/shard_reader.py), which a GPU's
+training step must not wait on. With no workers the batches are collated in the calling process.
 
 Workers write each batch straight into a slot of one shared-memory buffer, page-locked on CUDA, so
 the training process neither unpickles nor pins a batch: it copies the slot to the device and hands

@@ -60,8 +60,9 @@ def step_counts(split: PackedSplit, idx: list[int], K: int) -> np.ndarray:
 
 def auto_loader_workers() -> int:
     """Loader processes for a CUDA rank: three quarters of its share of the cores, 1 to 16. A worker
-    reads ~25k tokens/s of states from zarr (fp8, 3 taps of 576); the GPU profile's drafter takes
-    ~230k/s: 4 workers held it at 99k tok/s (0.44x), 12 fed it at 22-25 steps/s (bench/RESULTS.md)."""
+    read ~25k tokens/s of states through zarr (fp8, 3 taps of 576); the GPU profile's drafter takes
+    ~230k/s: 4 workers held it at 99k tok/s (0.44x), 12 fed it at 22-25 steps/s (bench/RESULTS.md).
+    The shard reader reads ~10x faster on the development box; on the H200 host not measured yet."""
     cores = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, min(16, cores * 3 // 4))
 

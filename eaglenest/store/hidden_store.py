@@ -14,7 +14,8 @@ A piece is one zarr shard of S token rows holding whole samples, zero-padded at 
 writer owns whole shards. Digest = xxh3-128 over the sample's ids and state arrays as stored. Every inner
 chunk carries a crc32c (and zarr checksums each shard index), so a flipped byte anywhere in a
 shard, padding included, fails the read of the sample it sits in; metadata is covered by
-checksums.json, checked on every open.
+checksums.json, checked on every open. Samples are read from the shard files by shard_reader (the
+same checks, without zarr's per-read cost), or by zarr where a store's layout is another.
 """
 
 import json
@@ -32,6 +33,7 @@ from eaglenest.atomic import replaced_file, write_json
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import content_digest, sha256_text
 from eaglenest.store import states as state_format
+from eaglenest.store.shard_reader import ShardReader
 from eaglenest.versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -200,6 +202,9 @@ class HiddenStore:
         self.index = pq.read_table(index).to_pylist()
         self.states = states_of(self.attrs)
         self.arrays = {n: self.group[n] for n in array_names(self.states)}
+        self.readers = {
+            n: ShardReader.for_array(a, lambda piece, n=n: self.shard_file(n, piece)) for n, a in self.arrays.items()
+        }
 
     def __len__(self) -> int:
         return len(self.index)
@@ -233,7 +238,7 @@ class HiddenStore:
         sl = slice(r["start"], r["start"] + r["length"])
         where = f"store {self.part} ({self.path}): sample {r['id']!r} (index {i})"
         try:
-            stored = {n: a[sl] for n, a in self.arrays.items()}
+            stored = {n: self._read(n, sl) for n in self.arrays}
         except Exception as e:  # crc32c, codec or shard-index checksum failure
             raise EaglenestError(f"{where} is unreadable, the shard is corrupt: {type(e).__name__}: {e}") from None
         if sample_digest(stored) != r["digest"]:
@@ -246,6 +251,10 @@ class HiddenStore:
                 )
             raise EaglenestError(f"{where} digest mismatch: stored bytes are corrupt")
         return stored.pop("input_ids"), stored
+
+    def _read(self, name: str, rows: slice) -> np.ndarray:
+        reader = self.readers[name]
+        return reader.read(rows.start, rows.stop) if reader else self.arrays[name][rows]
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids int32 [n], aux uint16 [n, n_aux, H], final uint16 [n, H]) of sample i: bfloat16

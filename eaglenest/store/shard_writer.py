@@ -16,14 +16,13 @@ import time
 from multiprocessing import shared_memory
 from pathlib import Path
 
-import google_crc32c
 import numpy as np
 
 from eaglenest.atomic import fsync_path
 from eaglenest.store.hidden_store import Layout, fill_value, sample_digest
+from eaglenest.store.shard_format import EMPTY, crc32c
 
 log = logging.getLogger(__name__)
-EMPTY = np.uint64(2**64 - 1)  # the shard index entry of a chunk that was not written
 
 
 def shard_files(store: Path, piece: int, layout: Layout) -> dict[str, Path]:
@@ -33,13 +32,6 @@ def shard_files(store: Path, piece: int, layout: Layout) -> dict[str, Path]:
         name: Path(store, name, sep.join(["c", str(piece), *["0"] * len(row)]))
         for name, (row, _) in layout.arrays().items()
     }
-
-
-def crc32c(b) -> bytes:
-    """crc32c as zarr appends it (uint32 little-endian); `Checksum` takes any buffer without a copy."""
-    c = google_crc32c.Checksum()
-    c.update(b)
-    return int.from_bytes(c.digest(), "big").to_bytes(4, "little")
 
 
 def encode_shard(a: np.ndarray, chunk_rows: int, codec: str, level: int, fill: int) -> list | None:
