@@ -18,8 +18,9 @@ _BYTES = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "by
 
 
 class ShardReader:
-    def __init__(self, shape: tuple, chunk_rows: int, shard_rows: int, dtype: np.dtype, fill, zstd: bool,
-                 file_of: Callable[[int], Path]):  # fmt: skip
+    def __init__(
+        self, shape: tuple, chunk_rows: int, shard_rows: int, dtype: np.dtype, fill, zstd: bool, file_of: Callable
+    ):
         """file_of(piece) -> the shard file of rows [piece * shard_rows, (piece + 1) * shard_rows)."""
         self.row, self.chunk_rows, self.shard_rows = tuple(shape[1:]), chunk_rows, shard_rows
         self.dtype, self.fill, self.file_of = dtype.newbyteorder("<"), fill, file_of
@@ -38,7 +39,7 @@ class ShardReader:
         """A reader of a zarr v3 array in the layout above, else None."""
         meta = array.metadata.to_dict()
         codecs = meta.get("codecs") or [{}]
-        if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
+        if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or meta["chunk_grid"]["name"] != "regular":
             return None
         conf, shard = codecs[0]["configuration"], meta["chunk_grid"]["configuration"]["chunk_shape"]
         inner, chunk, shape = list(conf["codecs"]), conf["chunk_shape"], meta["shape"]
