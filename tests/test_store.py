@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -312,6 +313,8 @@ def test_samples_are_read_without_zarr_as_zarr_reads_them(tiny_target, tmp_path,
         assert all(
             np.array_equal(v, store.arrays[k][rows]) and v.dtype == store.arrays[k].dtype for k, v in stored.items()
         )
+    again = pickle.loads(pickle.dumps(store))  # a store still travels to another process, readers and all
+    assert all(np.array_equal(v, stored[k]) for k, v in again.read_stored(len(store) - 1)[1].items())
 
 
 def test_an_array_zarr_wrote_in_another_layout_is_read_through_zarr(tiny_target, tmp_path):

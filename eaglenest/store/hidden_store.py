@@ -21,6 +21,7 @@ same checks, without zarr's per-read cost), or by zarr where a store's layout is
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -202,9 +203,7 @@ class HiddenStore:
         self.index = pq.read_table(index).to_pylist()
         self.states = states_of(self.attrs)
         self.arrays = {n: self.group[n] for n in array_names(self.states)}
-        self.readers = {
-            n: ShardReader.for_array(a, lambda piece, n=n: self.shard_file(n, piece)) for n, a in self.arrays.items()
-        }
+        self.readers = {n: ShardReader.for_array(a, partial(self.shard_file, n)) for n, a in self.arrays.items()}
 
     def __len__(self) -> int:
         return len(self.index)
