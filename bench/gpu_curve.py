@@ -217,7 +217,7 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
             continue
         pre, text = cost(parts, on_machine)
         train = epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
-        alone = cost(parts, set(), {stage: () for stage in have})[0] + train  # on a new session's machine
+        alone = cost(parts, set(), {stage: () for stage in have})[0] + train  # on a machine, with no saved set
         if used and used + pre + train > machine_s:  # a fresh machine; this one's last minutes make the texts
             if machine_s - used >= text:
                 for stage in ("synthetic", "generate", "tokenize"):

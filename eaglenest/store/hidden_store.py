@@ -12,7 +12,7 @@
 
 A piece is one zarr shard of S token rows holding whole samples, zero-padded at its end, so every
 writer owns whole shards. Digest = xxh3-128 over the sample's ids and state arrays as stored. Every inner
-chunk carries a crc32c (and zarr checksums each shard index), so a flipped byte anywhere in a
+chunk carries a crc32c (and so does each shard index), so a flipped byte anywhere in a
 shard, padding included, fails the read of the sample it sits in; metadata is covered by
 checksums.json, checked on every open. Samples are read from the shard files by shard_reader (the
 same checks, without zarr's per-read cost), or by zarr where a store's layout is another.

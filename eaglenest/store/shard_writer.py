@@ -1,9 +1,10 @@
 """Writing one finished piece (= one shard file per array) without zarr's write path: inner chunks
 encoded exactly as the store's zarr.json declares (bytes little-endian -> zstd -> crc32c; chunks
 equal to the fill value left out, as zarr does), the shard index appended (offset, length) per chunk
-+ crc32c, the file written under a temp name, fsynced and renamed. zarr only reads these shards:
-its per-process event loop held a writer to a few hundred MB/s. Runs in a writer thread, or in a
-writer PROCESS over shared-memory buffers, so a many-core GPU host encodes pieces in parallel."""
++ crc32c, the file written under a temp name, fsynced and renamed (shard_reader reads them back the
+same way; so can zarr). zarr's per-process event loop held a writer to a few hundred MB/s. Runs in
+a writer thread, or in a writer PROCESS over shared-memory buffers, so a many-core GPU host encodes
+pieces in parallel."""
 
 import atexit
 import errno
