@@ -119,9 +119,16 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def clear_chunks(out: Path) -> None:
+    """An earlier prepare's chunks (out/1, out/2, ...) and download, and nothing else: other things live
+    under .carry too (bench.gpu_curve's saved runs, .carry/curve, which no machine can make again)."""
+    for d in [out / "download", *(d for d in out.glob("*") if d.name.isdigit())]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def prepare(out: Path, chunk_mb: float, python: str) -> None:
     dl = out / "download"
-    shutil.rmtree(out, ignore_errors=True)
+    clear_chunks(out)
     dl.mkdir(parents=True)
     # antlr4 (hydra's parser, a DVC dependency) is published as an sdist only: build its wheel here
     pip("wheel", "--no-deps", "-w", str(dl), "antlr4-python3-runtime==4.9.3")

@@ -5,8 +5,8 @@ and evaluates chains only (k 3 and 7, one speed question, no gate).
 
     python -m bench.gpu_curve plan [--epochs 3] [--points P,..] [--saved .carry/curve] [--machine-min 24]
         the points not finished yet, each one's minutes and the lent machine(s) it falls on, from the
-        stage times of the first finished point (bench/results/gpu_curve/; before one, of the GPU
-        profile's run) and what the saved run-cache already holds
+        stage times of the finished point that trained on the most tokens (bench/results/gpu_curve/;
+        before one, of the GPU profile's run) and what the saved run-cache already holds
     python -m bench.gpu_curve run [--budget 1700] [--epochs 3] [--points P,..] [--turns 1] [--detach]
                                   [--count N] [-S k=v]
         the points not done yet (--points: those, e.g. --points syn2x --epochs 13 for the profile's
@@ -125,12 +125,14 @@ def synthetic_parts(turns: int, count: int = COUNT) -> dict:
 
 
 def point_sets(name: str, epochs: int, turns: int, count: int = COUNT, extra: list[str] = ()) -> list[str]:
-    """bench.gpu_profile setup's -S overrides of one point, then `extra` (every point declares the same
-    synthetic parts, so each part's stages are the same DVC stages, run-cached, whichever point runs them)."""
+    """bench.gpu_profile setup's -S overrides of one point, then `extra`. A point declares only the synthetic
+    parts it trains on (`dvc repro` makes every declared part): a part's stages are the same DVC stages,
+    run-cached, whichever point runs them, as its command and params name only its own spec."""
     flow = lambda v: yaml.safe_dump(v, default_flow_style=True, width=10**6).strip()  # noqa: E731
+    synthetic = {k: v for k, v in synthetic_parts(turns, count).items() if k in POINTS[name]}
     return [
         f"data.parts={flow(POINTS[name])}",
-        f"data.synthetic={flow(synthetic_parts(turns, count))}",
+        f"data.synthetic={flow(synthetic)}",
         f"train.epochs={epochs}",
         "evaluate.trees=[]",
         "evaluate.speed_questions=1",
@@ -140,9 +142,10 @@ def point_sets(name: str, epochs: int, turns: int, count: int = COUNT, extra: li
 
 
 def rates(results: Path) -> dict:
-    """Seconds per unit of work on one H200, from the stage times of the finished curve point that trained
-    on the most tokens among those that ran every stage (training's tok/s differed between points at the
-    same tokens a step: 121k ShareGPT alone, 185k + 1x), before any, of the committed GPU profile run."""
+    """Seconds per unit of work on one lent GPU (H200 or H100), from the stage times of the finished curve
+    point that trained on the most tokens among those that ran every stage (training's tok/s differed
+    between points at the same tokens a step: 121k ShareGPT alone, 185k + 1x), before any, of the
+    committed GPU profile run."""
     found = {f: json.loads(f.read_text()) for f in (results / "gpu_curve").glob("*/gpu_profile.json")}
     whole = {f: r for f, r in found.items() if r["wall_s"].get("generate")}  # not one whose stages were restored
     src = max(whole, key=lambda f: whole[f]["train_tokens"] * whole[f]["train"]["epochs"], default=None)

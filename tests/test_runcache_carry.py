@@ -193,3 +193,29 @@ def test_a_point_stopped_inside_training_goes_on_from_its_checkpoint_on_the_next
         assert len(manifest["chunks"]) >= 3 and sorted(manifest["extra"]) == sorted(map(str, carried))
         for f in carried:
             assert (b / f).read_bytes() == (a / f).read_bytes(), f
+
+
+def test_preparing_the_carried_packages_again_keeps_the_saved_runs(tmp_path):
+    """bench.gpu_carry prepare clears only its own chunks and download: .carry/curve (the curve's saved
+    runs, which no machine makes again) is kept; an earlier prepare once deleted it with all of .carry."""
+    from bench import gpu_carry
+
+    out = tmp_path / ".carry"
+    for d in ("1", "2", "12", "download", "curve/1", "curve/2"):
+        (out / d).mkdir(parents=True)
+        (out / d / "f").write_bytes(b"x")
+    gpu_carry.clear_chunks(out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("f")) == ["curve/1/f", "curve/2/f"]
+
+
+@pytest.mark.parametrize(("point", "declared"), [("sharegpt", []), ("syn2x", ["synth-000", "synth-001"])])
+def test_a_curve_point_declares_only_the_synthetic_parts_it_trains_on(point, declared):
+    """dvc repro makes every declared part: a point declaring all four decoded prompts it never used."""
+    import yaml
+
+    from bench import gpu_curve as gc
+
+    sets = dict(s.split("=", 1) for s in gc.point_sets(point, 3, 1))
+    synthetic = yaml.safe_load(sets["data.synthetic"])
+    assert sorted(synthetic) == declared
+    assert [synthetic[p]["seed"] for p in declared] == [int(p[-3:]) for p in declared]
