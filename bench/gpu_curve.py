@@ -159,10 +159,15 @@ def rates(results: Path) -> dict:
         "train_tok_s": r["train_tokens"] * r["train"]["epochs"] / w["train"],
         **{f"{k}_s_tok": w.get(k, 60) / toks for k in ("tokenize", "extract", "teacher")},  # s per token
         "generate_s_tok": w["generate"] / r["generate"]["generated_tokens"],
-        "prompts_s": w["synthetic"] / 4 if w.get("synthetic") else 80.0,  # one part's prompts
+        "prompts_s": w["synthetic"] / n_synth if (n_synth := synthetic_runs(r)) else 80.0,  # one part's prompts
         "fixed_s": w["target"] + w["pack"] + w["evaluate"] + 60,  # + a point's setup and DVC
         "part_tokens": {k: v["tokens"] for k, v in r["pack"]["parts"].items()},
     }
+
+
+def synthetic_runs(report: dict) -> int:
+    """How many synthetic@<part> stages a GPU run ran (points before cb33eba declared all four parts)."""
+    return sum(k.startswith("synthetic@") for k in report.get("wall_s_per_stage", {}))
 
 
 def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results: Path) -> None:

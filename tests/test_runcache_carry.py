@@ -219,3 +219,19 @@ def test_a_curve_point_declares_only_the_synthetic_parts_it_trains_on(point, dec
     synthetic = yaml.safe_load(sets["data.synthetic"])
     assert sorted(synthetic) == declared
     assert [synthetic[p]["seed"] for p in declared] == [int(p[-3:]) for p in declared]
+
+
+def test_plan_takes_one_part_s_prompt_time_from_the_parts_the_run_decoded(tmp_path):
+    """A run declaring two synthetic parts spent its prompt time on two, not on four."""
+    from bench import gpu_curve as gc
+
+    report = json.loads((Path(__file__).parents[1] / "bench/results/gpu_curve/syn2x/gpu_profile.json").read_text())
+    four = report["wall_s"]["synthetic"]
+    report["wall_s_per_stage"] = {
+        k: v for k, v in report["wall_s_per_stage"].items() if k not in ("synthetic@synth-002", "synthetic@synth-003")
+    }
+    report["wall_s"]["synthetic"] = two = four / 2
+    (tmp_path / "gpu_curve" / "syn2x").mkdir(parents=True)
+    (tmp_path / "gpu_curve" / "syn2x" / "gpu_profile.json").write_text(json.dumps(report))
+    assert gc.rates(tmp_path)["prompts_s"] == pytest.approx(two / 2)
+    assert gc.rates(Path(__file__).parents[1] / "bench/results")["prompts_s"] == pytest.approx(four / 4)
