@@ -343,6 +343,19 @@ def load(work: Path, src: Path) -> None:
     print(f"{work}: {state}; points done: {sorted(finished(work))}")
 
 
+def by_category(questions: Path) -> dict | None:
+    """τ at k = 3 per MT-bench category from evaluate's per-question figures: each question weighted by
+    its verifications, taken as its tokens / τ (the prompt's own token and a cut last round aside)."""
+    if not questions.exists():
+        return None
+    tokens, rounds = {}, {}
+    for q in json.loads(questions.read_text()):
+        if q.get("tau_k3"):
+            tokens[q["category"]] = tokens.get(q["category"], 0) + q["tokens"]
+            rounds[q["category"]] = rounds.get(q["category"], 0) + q["tokens"] / q["tau_k3"]
+    return {c: round(tokens[c] / rounds[c], 3) for c in tokens}
+
+
 def table(src: Path, results: Path) -> None:
     """The points' reports into <results>/gpu_curve/<point>/, the synthetic parts' filter counts (from the
     saved run-cache) into <results>/gpu_curve/synthetic/, and <results>/gpu_profile.json's synthetic_curve."""
@@ -373,6 +386,7 @@ def table(src: Path, results: Path) -> None:
                 "tau_k7": r["tau"].get("7"),  # the GPU profile's second k; a CPU curve may not ask it
                 "identical_to_greedy": r["identical_to_greedy"],
                 "val_loss": r["train"]["val_loss"],
+                "tau_k3_by_category": by_category(f.parent / "evaluate_questions.json"),
                 "synthetic_filter": {  # what each synthetic part's filter kept of what the target wrote
                     p: {k: v for k, v in filters[p].items() if k in ("sampled", "kept") or k.startswith("dropped_")}
                     for p in parts
