@@ -235,3 +235,17 @@ def test_plan_takes_one_part_s_prompt_time_from_the_parts_the_run_decoded(tmp_pa
     (tmp_path / "gpu_curve" / "syn2x" / "gpu_profile.json").write_text(json.dumps(report))
     assert gc.rates(tmp_path)["prompts_s"] == pytest.approx(two / 2)
     assert gc.rates(Path(__file__).parents[1] / "bench/results")["prompts_s"] == pytest.approx(four / 4)
+
+
+def test_tau_per_category_weights_each_question_by_its_verifications(tmp_path):
+    """A question of 200 tokens at τ 2 (100 verifications) outweighs one of 30 at τ 3 (10): 230 / 110."""
+    from bench import gpu_curve as gc
+
+    questions = [
+        {"category": "math", "tokens": 200, "tau_k3": 2.0},
+        {"category": "math", "tokens": 30, "tau_k3": 3.0},
+        {"category": "stem", "tokens": 64, "tau_k3": 1.6},
+    ]
+    (tmp_path / "evaluate_questions.json").write_text(json.dumps(questions))
+    assert gc.by_category(tmp_path / "evaluate_questions.json") == {"math": round(230 / 110, 3), "stem": 1.6}
+    assert gc.by_category(tmp_path / "missing.json") is None
