@@ -4,9 +4,11 @@ point trains the same epochs (--epochs, fewer than the profile's 13, to fit the 
 and evaluates chains only (k 3 and 7, one speed question, no gate).
 
     python -m bench.gpu_curve plan [--epochs 3] [--points P,..] [--saved .carry/curve] [--machine-min 24]
-        the points not finished yet, each one's minutes and the lent machine(s) it falls on, from the
-        stage times of the finished point that trained on the most tokens (bench/results/gpu_curve/;
-        before one, of the GPU profile's run) and what the saved run-cache already holds
+        the points not finished yet, each one's minutes, the lent machine(s) it falls on and its stores'
+        GB against a machine's free disk, from the stage times of the finished point that trained on
+        the most tokens (bench/results/gpu_curve/; before one, of the GPU profile's run; a stage
+        restored there, of the next one that ran it) and what the saved run-cache already holds: a
+        point's prompts, answers, tokens and teacher, and the training a saved checkpoint has done
     python -m bench.gpu_curve run [--budget 1700] [--epochs 3] [--points P,..] [--turns 1] [--detach]
                                   [--count N] [-S k=v]
         the points not done yet (--points: those, e.g. --points syn2x --epochs 13 for the profile's
@@ -142,32 +144,45 @@ def point_sets(name: str, epochs: int, turns: int, count: int = COUNT, extra: li
 
 
 def rates(results: Path) -> dict:
-    """Seconds per unit of work on one lent GPU (H200 or H100), from the stage times of the finished curve
-    point that trained on the most tokens among those that ran every stage (training's tok/s differed
-    between points at the same tokens a step: 121k ShareGPT alone, 185k + 1x), before any, of the
-    committed GPU profile run."""
+    """Seconds per unit of work on one lent GPU (H200 or H100). Training's, and the fixed stages', from
+    the finished curve point that trained on the most tokens (tok/s differed between points at the same
+    tokens a step: 121k ShareGPT alone, 185k + 1x); each per-part stage's from the <stage>@<part> runs
+    that ran (not restored from the run-cache) in that point, else in the next most trained one that
+    ran some. Before any point, from the committed GPU profile run."""
     found = {f: json.loads(f.read_text()) for f in (results / "gpu_curve").glob("*/gpu_profile.json")}
-    whole = {f: r for f, r in found.items() if r["wall_s"].get("generate")}  # not one whose stages were restored
-    src = max(whole, key=lambda f: whole[f]["train_tokens"] * whole[f]["train"]["epochs"], default=None)
-    src = src or results / "gpu_profile.json"
-    if not src.exists():
-        sys.exit(f"{src}: not found (no GPU run to take stage times from)")
-    r = whole.get(src) or json.loads(src.read_text())
-    w, toks = r["wall_s"], r["tokenized_tokens"]
+    if not found and (results / "gpu_profile.json").exists():
+        found = {results / "gpu_profile.json": json.loads((results / "gpu_profile.json").read_text())}
+    if not found:
+        sys.exit(f"{results}: no GPU run to take stage times from")
+    order = sorted(found, key=lambda f: found[f]["train_tokens"] * found[f]["train"]["epochs"], reverse=True)
+    r = found[order[0]]
+    w = r["wall_s"]
+
+    def ran(stage: str) -> list[tuple[float, int]]:
+        """(seconds, the part's tokens; 0 where the point did not pack it: one once decoded parts it did
+        not train on) of each <stage>@<part> run in the most trained point that ran any"""
+        for rep in map(found.get, order):
+            toks = {k: v["tokens"] for k, v in rep["pack"]["parts"].items()}
+            runs = rep.get("wall_s_per_stage", {}).items()
+            if got := [(s, toks.get(k.partition("@")[2], 0)) for k, s in runs if k.startswith(f"{stage}@")]:
+                return got
+        return []
+
+    def per_token(stage: str) -> float:
+        got = [(s, n) for s, n in ran(stage) if n]
+        return sum(s for s, _ in got) / sum(n for _, n in got) if got else 60.0 / r["tokenized_tokens"]
+
+    prompts = [s for s, _ in ran("synthetic")]
     return {
-        "source": str(src),
+        "source": str(order[0]),
         "train_tok_s": r["train_tokens"] * r["train"]["epochs"] / w["train"],
-        **{f"{k}_s_tok": w.get(k, 60) / toks for k in ("tokenize", "extract", "teacher")},  # s per token
-        "generate_s_tok": w["generate"] / r["generate"]["generated_tokens"],
-        "prompts_s": w["synthetic"] / n_synth if (n_synth := synthetic_runs(r)) else 80.0,  # one part's prompts
+        **{f"{k}_s_tok": per_token(k) for k in ("generate", "tokenize", "extract", "teacher")},  # s per token
+        "prompts_s": sum(prompts) / len(prompts) if prompts else 80.0,  # one part's prompts
         "fixed_s": w["target"] + w["pack"] + w["evaluate"] + 60,  # + a point's setup and DVC
         "part_tokens": {k: v["tokens"] for k, v in r["pack"]["parts"].items()},
+        "store_b_tok": r["pack"]["store_bytes"] / r["tokenized_tokens"],  # the stores' bytes per token
+        "disk_free_gb": r["disk_after_stage"]["start"]["free_gb"],  # a lent machine's disk before the point
     }
-
-
-def synthetic_runs(report: dict) -> int:
-    """How many synthetic@<part> stages a GPU run ran (points before cb33eba declared all four parts)."""
-    return sum(k.startswith("synthetic@") for k in report.get("wall_s_per_stage", {}))
 
 
 def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results: Path) -> None:
@@ -177,8 +192,10 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
     point longer than a machine trains on over the next ones from its checkpoint (save carries it),
     each of them extracting the point's states again."""
     rt = rates(results)
-    commands, found = rc.contents(saved, ["generate"])
+    commands, found, carried = rc.contents(saved, ["generate"], [RUNNING, gp.TIMES])
     gen = found["generate"]
+    going = carried.get(RUNNING, b"").decode()  # the point stopped inside training (its checkpoint saved)
+    trained = json.loads(carried[gp.TIMES]).get("train", 0.0) if going and gp.TIMES in carried else 0.0
     done = set()
     if points_file := points_tgz(saved):
         with tarfile.open(points_file) as tar:
@@ -226,6 +243,8 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
         pre, text = cost(parts, on_machine)
         train = epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
         alone = cost(parts, set(), {stage: () for stage in have})[0] + train  # on a machine, with no saved set
+        if lab == going:  # its checkpoint goes on: the training time it had is not spent again
+            train, pre = max(0.0, train - trained), pre + CKPT_S
         if used and used + pre + train > machine_s:  # a fresh machine; this one's last minutes make the texts
             if machine_s - used >= text:
                 for stage in ("synthetic", "generate", "tokenize"):
@@ -248,9 +267,13 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
         warn = "  (over one machine: it cannot finish)" if used > machine_s else ""
         toks = sum(map(tokens, parts)) / 1e6
         fits = "fits" if alone <= machine_s else "does not fit"
+        disk = toks * rt["store_b_tok"] / 1e3
         print(
             f"{lab:12s} {where:12s} ~{toks:5.1f}M tokens x {epochs} epochs  ~{total / 60:4.1f} min{warn}; "
-            f"from nothing saved ~{alone / 60:4.1f} min ({fits} one machine)"
+            f"from nothing saved ~{alone / 60:4.1f} min ({fits} one machine); stores ~{disk:.0f} GB of the "
+            f"~{rt['disk_free_gb']:.0f} GB a machine has free"
+            + (" (over it: the point cannot run on one machine's disk)" if disk > rt["disk_free_gb"] else "")
+            + (f"; goes on from its saved checkpoint, {trained / 60:.1f} min trained" if lab == going else "")
         )
     print(
         f"{machine} machine(s) of ~30 minutes each (start, carried packages and save included), counting "

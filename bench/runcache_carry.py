@@ -15,7 +15,7 @@ running them again.
     receive(src, stash)               on the next machine, once per carried folder: its chunks into stash;
                                       unpack(stash, cache, root) once every chunk is there
     gather(src)                       the whole tar.gz (sha256-checked) from src and its folders
-    contents(src, stages)             its commands and the reports of those stages
+    contents(src, stages, extras)     its commands, the reports of those stages and those extra files
 
 A chunk set is named by its manifest's sha256: a new set (a later session's) replaces the old one."""
 
@@ -217,16 +217,19 @@ def unpack(stash: Path, cache: Path, root: Path | None = None) -> int | None:
         tgz.unlink()
 
 
-def contents(src: Path, stages=()) -> tuple[list[str], dict[str, dict[str, dict]]]:
-    """The commands of the set's runs, and the reports/<stage>/<part>.json outputs of those runs for each
-    of `stages`, from one read of the set at src (as gather; nothing where it holds no whole set)."""
-    commands, found = [], {stage: {} for stage in stages}
+def contents(src: Path, stages=(), extras=()) -> tuple[list[str], dict[str, dict[str, dict]], dict[str, bytes]]:
+    """The commands of the set's runs, the reports/<stage>/<part>.json outputs of those runs for each of
+    `stages`, and the bytes of those of the `extras` files it carries (relative paths, as pack's
+    `extra`), from one read of the set at src (as gather; nothing where it holds no whole set)."""
+    commands, found, carried = [], {stage: {} for stage in stages}, {}
     tgz = gather(src, src / f".{NAME}.reading")
     if tgz is None:
-        return commands, found
+        return commands, found, carried
     try:
         with tarfile.open(tgz) as tar:
             for m in tar.getmembers():
+                if m.name.startswith(EXTRA) and m.name.removeprefix(EXTRA) in extras:
+                    carried[m.name.removeprefix(EXTRA)] = tar.extractfile(m).read()
                 if not m.name.startswith("runs/"):
                     continue
                 run = yaml.safe_load(tar.extractfile(m))
@@ -238,4 +241,4 @@ def contents(src: Path, stages=()) -> tuple[list[str], dict[str, dict[str, dict]
                         found[stage][Path(o["path"]).stem] = json.load(obj)
     finally:
         tgz.unlink()
-    return commands, found
+    return commands, found, carried

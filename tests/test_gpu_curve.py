@@ -1,5 +1,5 @@
 """bench/gpu_carry.py and bench/gpu_curve.py's own bookkeeping: what `prepare` clears, which synthetic
-parts a curve point declares, what `plan` takes its rates from, and `table`'s per-category τ. The
+parts a curve point declares, what `plan` takes its rates from and counts, and `table`'s per-category τ. The
 curve's save / collect / load over machines is in tests/test_runcache_carry.py."""
 
 import json
@@ -34,20 +34,31 @@ def test_a_curve_point_declares_only_the_synthetic_parts_it_trains_on(point, dec
     assert [synthetic[p]["seed"] for p in declared] == [int(p[-3:]) for p in declared]
 
 
-def test_plan_takes_one_part_s_prompt_time_from_the_parts_the_run_decoded(tmp_path):
-    """A run declaring two synthetic parts spent its prompt time on two, not on four."""
+def test_plan_takes_each_stage_s_rate_from_the_runs_that_ran_it(tmp_path):
+    """+ 4x restored four parts' prompts and answers and two parts' tokens from the saved run-cache, and
+    ran its two new parts' generate and tokenize: per-token rates over all six parts' tokens came out a
+    third of what those stages cost. Its prompt time is + 2x's, the most trained point that decoded
+    prompts: one part's is the mean of its synthetic@ runs, not its total over 4."""
     from bench import gpu_curve as gc
 
-    report = json.loads((Path(__file__).parents[1] / "bench/results/gpu_curve/syn2x/gpu_profile.json").read_text())
-    four = report["wall_s"]["synthetic"]
-    report["wall_s_per_stage"] = {
-        k: v for k, v in report["wall_s_per_stage"].items() if k not in ("synthetic@synth-002", "synthetic@synth-003")
-    }
-    report["wall_s"]["synthetic"] = two = four / 2
-    (tmp_path / "gpu_curve" / "syn2x").mkdir(parents=True)
+    results = Path(__file__).parents[1] / "bench/results"
+    four = json.loads((results / "gpu_curve/syn4x/gpu_profile.json").read_text())
+    runs, toks = four["wall_s_per_stage"], {k: v["tokens"] for k, v in four["pack"]["parts"].items()}
+    new = ["synth-002", "synth-003"]
+    assert [k for k in runs if k.startswith("tokenize@")] == [f"tokenize@{p}" for p in new]
+    rt = gc.rates(results)
+    assert rt["source"].endswith("syn4x/gpu_profile.json")
+    assert rt["tokenize_s_tok"] == pytest.approx(sum(runs[f"tokenize@{p}"] for p in new) / sum(toks[p] for p in new))
+    assert rt["tokenize_s_tok"] > 2.5 * four["wall_s"]["tokenize"] / four["tokenized_tokens"]
+    two = json.loads((results / "gpu_curve/syn2x/gpu_profile.json").read_text())["wall_s_per_stage"]
+    assert rt["prompts_s"] == pytest.approx(sum(two[f"synthetic@synth-00{i}"] for i in range(4)) / 4)
+
+    (tmp_path / "gpu_curve" / "syn2x").mkdir(parents=True)  # a run that decoded two parts' prompts
+    two = {k: v for k, v in two.items() if k not in ("synthetic@synth-002", "synthetic@synth-003")}
+    report = json.loads((results / "gpu_curve/syn2x/gpu_profile.json").read_text()) | {"wall_s_per_stage": two}
     (tmp_path / "gpu_curve" / "syn2x" / "gpu_profile.json").write_text(json.dumps(report))
-    assert gc.rates(tmp_path)["prompts_s"] == pytest.approx(two / 2)
-    assert gc.rates(Path(__file__).parents[1] / "bench/results")["prompts_s"] == pytest.approx(four / 4)
+    decoded = two["synthetic@synth-000"] + two["synthetic@synth-001"]
+    assert gc.rates(tmp_path)["prompts_s"] == pytest.approx(decoded / 2)
 
 
 def test_tau_per_category_weights_each_question_by_its_verifications(tmp_path):
@@ -62,3 +73,31 @@ def test_tau_per_category_weights_each_question_by_its_verifications(tmp_path):
     (tmp_path / "evaluate_questions.json").write_text(json.dumps(questions))
     assert gc.by_category(tmp_path / "evaluate_questions.json") == {"math": round(230 / 110, 3), "stem": 1.6}
     assert gc.by_category(tmp_path / "missing.json") is None
+
+
+def test_plan_leaves_out_the_training_a_saved_checkpoint_holds(tmp_path, capsys):
+    """A point stopped inside training goes on from its checkpoint on the next machine: plan counts its
+    training less the time it had (the saved set's stage times), plus loading the checkpoint."""
+    from bench import gpu_curve as gc
+    from bench import gpu_profile as gp
+    from bench import runcache_carry as rc
+
+    def planned(saved: Path) -> tuple[float, str]:
+        gc.plan(13, ["syn4x"], saved, 1e6, Path(__file__).parents[1] / "bench/results")
+        line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("syn4x-13ep"))
+        return float(line.split("epochs")[1].split("min")[0].strip(" ~")), line
+
+    fresh, line = planned(tmp_path / "nothing-saved")
+    assert "goes on" not in line and "stores ~62 GB of the ~68 GB" in line
+    work, files = tmp_path / "work", {gc.RUNNING: "syn4x-13ep", gp.TIMES: '{"train": 600.0}'}
+    for rel, text in files.items():
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text(text)
+    (work / ".dvc" / "cache").mkdir(parents=True)
+    rc.pack(work / ".dvc" / "cache", gc.SAVED_STAGES, tmp_path / "staging", {rel: work / rel for rel in files})
+    (tmp_path / "out").mkdir()
+    assert rc.send(tmp_path / "staging", tmp_path / "out", gc.CALL_BYTES) == []
+    rc.collect(tmp_path / "out", tmp_path / "saved", gc.CARRY_BYTES)
+    going, line = planned(tmp_path / "saved")
+    assert going == pytest.approx(fresh - (600 - gc.CKPT_S) / 60, abs=0.1)
+    assert line.endswith("goes on from its saved checkpoint, 10.0 min trained")
