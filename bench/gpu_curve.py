@@ -159,8 +159,8 @@ def rates(results: Path) -> dict:
     w = r["wall_s"]
 
     def ran(stage: str) -> list[tuple[float, int]]:
-        """(seconds, the part's tokens; 0 where the point did not pack it: one once decoded parts it did
-        not train on) of each <stage>@<part> run in the most trained point that ran any"""
+        """(seconds, the part's tokens) of each <stage>@<part> run in the most trained point that ran any;
+        tokens 0 for a part it did not pack (points before cb33eba decoded parts they did not train on)"""
         for rep in map(found.get, order):
             toks = {k: v["tokens"] for k, v in rep["pack"]["parts"].items()}
             runs = rep.get("wall_s_per_stage", {}).items()
