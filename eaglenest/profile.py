@@ -2,7 +2,9 @@
 differ from `params.yaml`, as `section: {key: value}`. Applying it sets each `section.key` in
 params.yaml to the profile's value, whole (as `dvc exp run -S section.key=value` would), keeping
 params.yaml's comments and order. A key the params file lacks is an error: a profile cannot drift
-from the default the way a full copy does."""
+from the default the way a full copy does. A profile may build on another (`extends: <name>`, a profile
+of the same directory): the other's keys first, then its own, so a larger profile holds only what
+differs from the one it grows."""
 
 import io
 import json
@@ -38,14 +40,26 @@ def _styled(value):
     return out
 
 
-def overrides(profile: Path) -> dict[str, object]:
-    """{"section.key": value} of a profile file."""
+def overrides(profile: Path, _seen: tuple[Path, ...] = ()) -> dict[str, object]:
+    """{"section.key": value} of a profile file, its `extends` chain's keys under its own."""
     profile = Path(profile)
     if not profile.is_file():
         known = sorted(p.stem for p in profile.parent.glob("*.yaml")) if profile.parent.is_dir() else []
         raise EaglenestError(f"{profile}: no such profile (known: {', '.join(known) or 'none'})")
-    data = YAML(typ="safe").load(profile.read_text()) or {}
+    if profile.resolve() in _seen:
+        chain = " -> ".join(p.stem for p in (*_seen, profile.resolve()))
+        raise EaglenestError(f"{_seen[0]}: profiles extend each other in a loop: {chain}")
+    try:
+        data = YAML(typ="safe").load(profile.read_text()) or {}
+    except YAMLError as e:
+        raise EaglenestError(f"{profile}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise EaglenestError(f"{profile}: must map params sections to keys")
     out = {}
+    if (base := data.pop("extends", None)) is not None:
+        if not isinstance(base, str) or not base or "/" in base:
+            raise EaglenestError(f"{profile}: `extends` names a profile of {profile.parent}, e.g. `extends: gpu`")
+        out = overrides(profile.parent / f"{base}.yaml", (*_seen, profile.resolve()))
     for section, keys in data.items():
         if not isinstance(keys, dict) or not keys:
             raise EaglenestError(f"{profile}: `{section}` must map keys of that params section to values")

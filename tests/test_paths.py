@@ -124,3 +124,25 @@ def test_metrics_are_git_tracked_and_timings_are_nothing_dvc_tracks():
             for e in body.get(kind, []):
                 path = next(iter(e)) if isinstance(e, dict) else e
                 assert not path.startswith(str(paths.timing("x").parent)), (name, path)
+
+
+def test_a_profile_extends_another_and_a_loop_of_them_is_named(tmp_path):
+    """`extends: <name>` takes the other profile's keys, then the profile's own over them; profiles that
+    extend each other in a loop, or an `extends` that names no profile, fail naming the file."""
+    from eaglenest.errors import EaglenestError
+    from eaglenest.profile import overrides
+
+    d = tmp_path / "profiles"
+    d.mkdir()
+    (d / "base.yaml").write_text("train: {epochs: 13, lr: 0.001}\ndata: {parts: [a, b]}\n")
+    (d / "big.yaml").write_text("extends: base\ndata: {parts: [a, b, c]}\n")
+    assert overrides(d / "big.yaml") == {"train.epochs": 13, "train.lr": 0.001, "data.parts": ["a", "b", "c"]}
+    (d / "base.yaml").write_text("extends: big\ntrain: {epochs: 13}\n")
+    with pytest.raises(EaglenestError, match=r"big.yaml: profiles extend each other in a loop: big -> base -> big"):
+        overrides(d / "big.yaml")
+    (d / "big.yaml").write_text("extends: nope\ndata: {parts: [a]}\n")
+    with pytest.raises(EaglenestError, match=r"nope.yaml: no such profile \(known: base, big\)"):
+        overrides(d / "big.yaml")
+    (d / "big.yaml").write_text("extends: [base]\n")
+    with pytest.raises(EaglenestError, match=r"big.yaml: `extends` names a profile"):
+        overrides(d / "big.yaml")
