@@ -91,7 +91,7 @@ POINTS = {
     "synonly": ["synth-000"],
     "syn2x": [*SHAREGPT, "synth-000", "synth-001"],
     "syn4x": [*SHAREGPT, "synth-000", "synth-001", "synth-002", "synth-003"],
-    # beyond the five: + 8x, projected to reach tau 2.8 at 13 epochs, needs ~105 GB of stores
+    # beyond the five: + 8x, projected to reach tau 2.8 at 13 epochs, needs ~104 GB of stores
     # and ~37 min of training: more than a lent one-GPU machine's disk (plan says so); run on request only
     "syn8x": [*SHAREGPT, *(f"synth-{i:03d}" for i in range(8))],
 }

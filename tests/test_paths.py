@@ -128,7 +128,8 @@ def test_metrics_are_git_tracked_and_timings_are_nothing_dvc_tracks():
 
 def test_a_profile_extends_another_and_a_loop_of_them_is_named(tmp_path):
     """`extends: <name>` takes the other profile's keys, then the profile's own over them; profiles that
-    extend each other in a loop, or an `extends` that names no profile, fail naming the file."""
+    extend each other in a loop, an `extends` that names no profile, and a file that is no mapping of
+    sections fail naming the file."""
     from eaglenest.errors import EaglenestError
     from eaglenest.profile import overrides
 
@@ -145,4 +146,10 @@ def test_a_profile_extends_another_and_a_loop_of_them_is_named(tmp_path):
         overrides(d / "big.yaml")
     (d / "big.yaml").write_text("extends: [base]\n")
     with pytest.raises(EaglenestError, match=r"big.yaml: `extends` names a profile"):
+        overrides(d / "big.yaml")
+    (d / "big.yaml").write_text("extends: base\ndata: {parts: [a\n")
+    with pytest.raises(EaglenestError, match=r"big.yaml: not valid YAML"):
+        overrides(d / "big.yaml")
+    (d / "big.yaml").write_text("- extends: base\n")
+    with pytest.raises(EaglenestError, match=r"big.yaml: must map params sections to keys"):
         overrides(d / "big.yaml")
