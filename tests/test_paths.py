@@ -139,17 +139,14 @@ def test_a_profile_extends_another_and_a_loop_of_them_is_named(tmp_path):
     (d / "big.yaml").write_text("extends: base\ndata: {parts: [a, b, c]}\n")
     assert overrides(d / "big.yaml") == {"train.epochs": 13, "train.lr": 0.001, "data.parts": ["a", "b", "c"]}
     (d / "base.yaml").write_text("extends: big\ntrain: {epochs: 13}\n")
-    with pytest.raises(EaglenestError, match=r"big.yaml: profiles extend each other in a loop: big -> base -> big"):
-        overrides(d / "big.yaml")
-    (d / "big.yaml").write_text("extends: nope\ndata: {parts: [a]}\n")
-    with pytest.raises(EaglenestError, match=r"nope.yaml: no such profile \(known: base, big\)"):
-        overrides(d / "big.yaml")
-    (d / "big.yaml").write_text("extends: [base]\n")
-    with pytest.raises(EaglenestError, match=r"big.yaml: `extends` names a profile"):
-        overrides(d / "big.yaml")
-    (d / "big.yaml").write_text("extends: base\ndata: {parts: [a\n")
-    with pytest.raises(EaglenestError, match=r"big.yaml: not valid YAML"):
-        overrides(d / "big.yaml")
-    (d / "big.yaml").write_text("- extends: base\n")
-    with pytest.raises(EaglenestError, match=r"big.yaml: must map params sections to keys"):
-        overrides(d / "big.yaml")
+    bad = {
+        "extends: base\n": r"big.yaml: profiles extend each other in a loop: big -> base -> big",
+        "extends: nope\ndata: {parts: [a]}\n": r"nope.yaml: no such profile \(known: base, big\)",
+        "extends: [base]\n": r"big.yaml: `extends` names a profile",
+        "extends: base\ndata: {parts: [a\n": r"big.yaml: not valid YAML",
+        "- extends: base\n": r"big.yaml: must map params sections to keys",
+    }
+    for text, message in bad.items():
+        (d / "big.yaml").write_text(text)
+        with pytest.raises(EaglenestError, match=message):
+            overrides(d / "big.yaml")
