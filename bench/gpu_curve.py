@@ -85,6 +85,7 @@ from bench import runcache_carry as rc
 
 SHAREGPT = ["sharegpt-h0", "sharegpt-h1"]
 COUNT = 17333  # ShareGPT's usable conversations (profiles/gpu.yaml): "1x its volume"
+SYNTH_PART_TOKENS = COUNT * 265  # a synthetic part's tokens before any was made (265 a sample)
 POINTS = {
     "sharegpt": SHAREGPT,
     "syn1x": [*SHAREGPT, "synth-000"],
@@ -207,7 +208,7 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
             done = {n.split("/")[0] for n in tar.getnames()}
     done |= {p.parent.name for p in (results / "gpu_curve").glob("*/gpu_profile.json")}
     synth = [g["prompt_tokens"] + g["generated_tokens"] for p, g in gen.items() if p.startswith("synth")]
-    synth_tokens = sum(synth) / len(synth) if synth else COUNT * 265  # tokens of one synthetic part
+    synth_tokens = sum(synth) / len(synth) if synth else SYNTH_PART_TOKENS  # tokens of one synthetic part
 
     def tokens(part):
         return rt["part_tokens"].get(part) or (
