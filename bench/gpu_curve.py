@@ -92,8 +92,8 @@ POINTS = {
     "synonly": ["synth-000"],
     "syn2x": [*SHAREGPT, "synth-000", "synth-001"],
     "syn4x": [*SHAREGPT, "synth-000", "synth-001", "synth-002", "synth-003"],
-    # beyond the five: + 8x, projected to reach tau 2.8 at 13 epochs, needs ~104 GB of stores
-    # and ~37 min of training: more than a lent one-GPU machine's disk (plan says so); run on request only
+    # beyond the five, on request only: + 8x, projected to reach tau 2.8 at 13 epochs, outgrows a
+    # lent one-GPU machine's disk (`plan --points syn8x` gives its GB and minutes)
     "syn8x": [*SHAREGPT, *(f"synth-{i:03d}" for i in range(8))],
 }
 CURVE_POINTS = ["sharegpt", "syn1x", "synonly", "syn2x", "syn4x"]  # the curve `run` and `plan` take by default
