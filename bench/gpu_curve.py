@@ -240,12 +240,13 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
     def unsure(parts):  # teacher runs restored only where the store comes out byte for byte the same
         return sum(tokens(p) * rt["teacher_s_tok"] for p in set(parts) if p in have["teacher"])
 
-    machine, used, on_machine, extra = 1, 0.0, set(), 0.0
+    machine, used, on_machine, extra, todo = 1, 0.0, set(), 0.0, 0
     for name in points:
         parts, lab = POINTS[name], label(name, epochs)
         if lab in done:
             print(f"{lab:12s} done")
             continue
+        todo += 1
         pre, text = cost(parts, on_machine)
         train = epochs * sum(map(tokens, parts)) / rt["train_tok_s"]
         alone = cost(parts, set(), {stage: () for stage in have})[0] + train  # on a machine, with no saved set
@@ -281,6 +282,9 @@ def plan(epochs: int, points: list[str], saved: Path, machine_s: float, results:
             + (" (over it: the point cannot run on one machine's disk)" if disk > rt["disk_free_gb"] else "")
             + (f"; goes on from its saved checkpoint, {trained / 60:.1f} min trained" if lab == going else "")
         )
+    if not todo:
+        print("every point asked for is done: no machine needed")
+        return
     print(
         f"{machine} machine(s) of ~30 minutes each (start, carried packages and save included), counting "
         f"teacher@<part> restored from the saved run where the part has one; where a store does not come "

@@ -185,6 +185,7 @@ SCHEMA = {
         "compile": AUTO_BOOL,
         "intermediate_size": _either(_null, POS, what="null or an integer >= 1"),
         "loader_workers": _either(_one_of("auto"), _int(0), what="auto or an integer >= 0"),
+        "nproc": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
     },
     "evaluate": {
         "questions": POS,

@@ -1,17 +1,23 @@
 """Stage `train`: the EAGLE-3 drafter on data/packed (the split and tokens) and data/hidden (the states,
 read from the stores), exported to data/drafter in the serving format.
 
-    python -m stages.train                                   (one process)
-    torchrun --nproc-per-node 2 -m stages.train              (DDP; gloo on CPU, NCCL on GPU)
-params: train.* (epochs, lr, warmup, ttt_steps, batch_tokens, micro_batches, ...). Checkpoints go
-to .eaglenest/train/ (outside DVC outputs); a rerun with the same config resumes exactly.
+    python -m stages.train                                   (train.nproc ranks: auto = one per GPU)
+    torchrun --nproc-per-node 2 -m stages.train              (by hand: DDP, gloo on CPU, NCCL on GPU)
+With train.nproc above 1 (auto: every GPU that train.micro_batches splits over), the stage starts
+itself again under torchrun, so `dvc repro` trains with DDP on every GPU of the host.
+params: train.* (epochs, lr, warmup, ttt_steps, batch_tokens, micro_batches, nproc, ...). Checkpoints
+go to .eaglenest/train/ (outside DVC outputs); a rerun with the same config resumes exactly.
 dvclive logs per-epoch loss, accuracy per TTT step and simulated acceptance length. Writes
 metrics/train.json (validation loss and simulated tau), reports/train.json (every figure) and
 reports/timing/train.json (tokens/s).
 """
 
 import argparse
+import logging
+import sys
 from pathlib import Path
+
+import torch
 
 from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.drafter.train import Trainer
@@ -19,9 +25,19 @@ from eaglenest.drafter.train_config import TrainConfig
 from eaglenest.errors import exit_on_error
 from eaglenest.made_on import made_on
 from eaglenest.target import load_target
+from eaglenest.torchrun import ranks, relaunch, under_torchrun
 
 from . import _params
 from . import _paths as paths
+
+log = logging.getLogger("eaglenest.train")
+
+
+def visible_gpus(device: str) -> int:
+    """CUDA devices a rank per GPU could use: all for train.device auto or cuda, one for cuda:N."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count() if device in ("auto", "cuda") else 1
 
 
 @exit_on_error
@@ -36,6 +52,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     p = _params.load("train")
     cfg = TrainConfig.from_params(p)
+    if not under_torchrun():
+        n = ranks(cfg.nproc, cfg.micro_batches, visible_gpus(cfg.device))
+        if n > 1:
+            log.info("training on %d ranks under torchrun (train.nproc %s)", n, cfg.nproc)
+            sys.exit(relaunch(n, "stages.train", sys.argv[1:] if argv is None else argv))
     trainer = Trainer(paths.PACKED, paths.HIDDEN, load_target(paths.TARGET), cfg, Path(args.ckpt_dir))
     rank0 = trainer.rank == 0
     live = None

@@ -227,6 +227,7 @@ def train_params(**over) -> dict:
         "compile": "auto",
         "intermediate_size": None,
         "loader_workers": 0,
+        "nproc": 1,
     }
     t.update(over)
     return t

@@ -149,3 +149,11 @@ def test_plan_says_when_a_point_s_stores_outgrow_a_machine_s_disk(tmp_path, caps
     assert gb > rt["disk_free_gb"] and line.endswith("(over it: the point cannot run on one machine's disk)")
     new = 4 * gc.SYNTH_PART_TOKENS  # four parts not made yet, nothing saved
     assert gb == pytest.approx(rt["store_b_tok"] * (sum(rt["part_tokens"].values()) + new) / 1e9, rel=0.01)
+
+
+def test_plan_of_points_all_done_counts_no_machine(tmp_path, capsys):
+    from bench import gpu_curve as gc
+
+    gc.plan(13, ["syn4x"], tmp_path / "nothing-saved", 1e6, Path(__file__).parents[1] / "bench/results")
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["syn4x-13ep   done", "every point asked for is done: no machine needed"]

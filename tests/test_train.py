@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -125,18 +126,15 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tiny_packed, tmp_path):
     assert m["epochs"] == 2 and 1.0 <= m["val_simulated_tau"] <= 4.0
 
 
-def test_an_interrupt_checkpoints_the_step_it_stopped_at_and_the_rerun_resumes_there(tiny_packed, tmp_path):
-    """SIGINT mid-training (as DVC, a scheduler or a time limit sends it): the running step finishes,
-    a checkpoint is saved although ckpt_every is far off, the exit is non-zero, and a rerun resumes."""
-    import re
-    import signal
+def training_at_step_3(ws, env_extra=None):
+    """`python -m stages.train` started in ws, returned once its bar shows step 3 or later: the
+    process, its stderr so far (a list that keeps filling) and the thread that fills it."""
     import subprocess
     import sys
     import threading
     import time
 
-    ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=400, ckpt_every=10**6)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     p = subprocess.Popen(
         [sys.executable, "-m", "stages.train"], cwd=ws, env=env, stderr=subprocess.PIPE, text=True, bufsize=1
     )
@@ -147,6 +145,16 @@ def test_an_interrupt_checkpoints_the_step_it_stopped_at_and_the_rerun_resumes_t
     while not re.search(r"\|\s*([3-9]|\d\d+)/\d+ \[", "".join(err)):  # the bar shows step >= 3
         assert p.poll() is None and time.time() < deadline, "".join(err)[-3000:]
         time.sleep(0.05)
+    return p, err, reader
+
+
+def test_an_interrupt_checkpoints_the_step_it_stopped_at_and_the_rerun_resumes_there(tiny_packed, tmp_path):
+    """SIGINT mid-training (as DVC, a scheduler or a time limit sends it): the running step finishes,
+    a checkpoint is saved although ckpt_every is far off, the exit is non-zero, and a rerun resumes."""
+    import signal
+
+    ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=400, ckpt_every=10**6)
+    p, err, reader = training_at_step_3(ws)
     p.send_signal(signal.SIGINT)
     assert p.wait(120) == 2
     reader.join(10)
@@ -164,17 +172,62 @@ def test_an_interrupt_checkpoints_the_step_it_stopped_at_and_the_rerun_resumes_t
 
 
 def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):
+    """train.nproc 2: the plain stage command (what dvc.yaml runs) starts itself as 2 ranks under
+    torchrun; the losses are the one-process run's, and torchrun's log directory is gone after."""
     one = workspace_copy(tiny_packed, tmp_path / "one", epochs=1)
     run_py(["-m", "stages.train"], cwd=one)
-    two = workspace_copy(tiny_packed, tmp_path / "two", epochs=1)
-    p = run_py(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "stages.train"],
-        cwd=two,
-        env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},  # torchrun's log dir, never removed by it
-    )
+    two = workspace_copy(tiny_packed, tmp_path / "two", epochs=1, nproc=2)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = run_py(["-m", "stages.train"], cwd=two, env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    assert "training on 2 ranks under torchrun (train.nproc 2)" in p.stderr
     m = json.loads((two / "reports/train.json").read_text())
     assert m["world_size"] == 2, p.stderr[-2000:]
     np.testing.assert_allclose(history(two), history(one), rtol=2e-4)
+    assert list(tmp.iterdir()) == []
+
+
+def test_a_signal_to_the_stage_stops_every_rank_it_started(tiny_packed, tmp_path):
+    """SIGTERM to the stage process (as DVC sends it) while its 2 ranks train: it reaches torchrun,
+    which stops them; the stage exits non-zero, no process of the run is left, nor its log directory."""
+    import signal
+
+    ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=400, ckpt_every=10**6, nproc=2)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p, err, reader = training_at_step_3(ws, {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(120) != 0
+    reader.join(10)
+
+    def in_ws(pid):
+        try:
+            return os.readlink(f"/proc/{pid}/cwd") == str(ws)
+        except OSError:  # gone meanwhile, or not ours to read
+            return False
+
+    assert [pid for pid in os.listdir("/proc") if pid.isdigit() and in_ws(pid)] == [], "".join(err)[-3000:]
+    assert list(tmp.iterdir()) == []
+    assert not (ws / "data/drafter").exists()
+
+
+def test_train_nproc_resolves_to_ranks_that_split_the_micro_batches(caplog):
+    from eaglenest.torchrun import ranks
+
+    assert ranks("auto", 4, 0) == 1  # the CPU: one process
+    assert ranks("auto", 8, 8) == 8 and ranks("auto", 4, 8) == 4 and ranks("auto", 6, 4) == 3
+    with caplog.at_level("WARNING"):
+        assert ranks("auto", 1, 2) == 1
+    assert "make micro_batches a multiple of 2 to use them all" in caplog.text
+    assert ranks(2, 4, 0) == 2 and ranks(4, 4, 8) == 4  # gloo processes on the CPU; fewer GPUs than there are
+    for nproc, micro, gpus, says in [
+        (3, 4, 0, "train.nproc 3 does not divide train.micro_batches 4"),
+        (4, 4, 2, "train.nproc 4: only 2 GPU(s) visible"),
+        (0, 4, 0, "train.nproc must be auto or an integer >= 1, got 0"),
+        ("two", 4, 0, "train.nproc must be auto or an integer >= 1, got 'two'"),
+    ]:
+        with pytest.raises(EaglenestError, match=re.escape(says)):
+            ranks(nproc, micro, gpus)
 
 
 @pytest.fixture(scope="module")
