@@ -1,9 +1,12 @@
 """One exception type for bad input and failed checks, and the guard that turns it into an exit code."""
 
+import contextlib
 import errno
 import functools
 import logging
+import os
 import sys
+from pathlib import Path
 
 log = logging.getLogger("eaglenest")
 
@@ -43,15 +46,26 @@ def exit_on_error(fn):
         try:
             return fn(*args, **kwargs)
         except EaglenestError as e:
-            log.error("%s", e)
-            sys.exit(2)
+            fail(str(e))
         except OSError as e:
-            log.error("%s", describe_os_error(e))
-            sys.exit(2)
+            fail(describe_os_error(e))
         finally:
             log_gpu_peak()
 
     return wrapper
+
+
+# Set by eaglenest/torchrun.py for the ranks it starts: where a rank leaves its error line, which
+# the launcher repeats last, after torchrun's own report, so the cause is what a user sees at the end.
+RANK_ERRORS = "EAGLENEST_RANK_ERRORS"
+
+
+def fail(message: str) -> None:
+    log.error("%s", message)
+    if folder := os.environ.get(RANK_ERRORS):
+        with contextlib.suppress(OSError):  # the line on stderr above is the error either way
+            Path(folder, f"rank-{int(os.environ.get('RANK', '0')):05d}.txt").write_text(message)
+    sys.exit(2)
 
 
 def log_gpu_peak() -> None:

@@ -7,8 +7,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-from eaglenest.errors import EaglenestError
+from eaglenest.errors import RANK_ERRORS, EaglenestError
 
 log = logging.getLogger("eaglenest.torchrun")
 
@@ -45,19 +46,28 @@ def ranks(nproc: int | str, micro_batches: int, gpus: int) -> int:
 
 
 def relaunch(n: int, module: str, argv: list[str]) -> int:
-    """Run `python -m module argv` as n ranks under torchrun and return its exit status. torchrun runs
-    in a session of its own, so a Ctrl-C or DVC's SIGTERM reaches it once, through this process, and it
-    stops its ranks; its log directory (which torchrun never removes) lives only as long as the run."""
+    """Run `python -m module argv` as n ranks under torchrun and return its exit status; where a rank
+    failed on bad input, raise its error line instead (after torchrun's report, it is the last line).
+    torchrun runs in a session of its own, so a Ctrl-C or DVC's SIGTERM reaches it once, through this
+    process, and it stops its ranks; its log directory (which torchrun never removes) lives only as
+    long as the run."""
     with tempfile.TemporaryDirectory(prefix="eaglenest-torchrun-") as logs:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-        child = subprocess.Popen([*cmd, f"--log-dir={logs}", "-m", module, *argv], start_new_session=True)
+        env = {**os.environ, RANK_ERRORS: logs}
+        child = subprocess.Popen([*cmd, f"--log-dir={logs}", "-m", module, *argv], env=env, start_new_session=True)
 
         def forward(sig, _frame):
             child.send_signal(sig)
 
         before = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            return child.wait()
+            code = child.wait()
         finally:
             for s, handler in before.items():
                 signal.signal(s, handler)
+        failed = sorted(Path(logs).glob("rank-*.txt"))
+        if code and failed:
+            also = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+            rank = int(failed[0].stem.removeprefix("rank-"))
+            raise EaglenestError(f"rank {rank} of {n} under torchrun{also}: {failed[0].read_text()}")
+        return code

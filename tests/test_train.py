@@ -187,6 +187,24 @@ def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):
     assert list(tmp.iterdir()) == []
 
 
+def test_a_rank_s_error_is_the_stage_s_last_line(tiny_packed, tmp_path):
+    """A store shard goes missing before a 2-rank run: a rank fails on it, torchrun reports its
+    children, and the stage's last line is still the rank's own error, naming the file; exit 2."""
+    ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=1, nproc=2)
+    shutil.rmtree(ws / "data/hidden")
+    shutil.copytree(tiny_packed / "data/hidden", ws / "data/hidden")
+    (ws / "data/hidden/a/aux/c.0.0.0").unlink()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = run_py(["-m", "stages.train"], cwd=ws, check=False, env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert re.search(
+        r"ERROR eaglenest: rank [01] of 2 under torchrun.*: store a .*data/hidden/a/aux/c.0.0.0 missing", last
+    ), last
+    assert list(tmp.iterdir()) == []
+
+
 def test_a_signal_to_the_stage_stops_every_rank_it_started(tiny_packed, tmp_path):
     """SIGTERM to the stage process (as DVC sends it) while its 2 ranks train: it reaches torchrun,
     which stops them; the stage exits non-zero, no process of the run is left, nor its log directory."""
