@@ -82,6 +82,7 @@ import yaml
 
 from bench import gpu_profile as gp
 from bench import runcache_carry as rc
+from stages import _paths as paths
 
 SHAREGPT = ["sharegpt-h0", "sharegpt-h1"]
 COUNT = 17333  # ShareGPT's usable conversations (profiles/gpu.yaml): "1x its volume"
@@ -99,7 +100,7 @@ POINTS = {
 CURVE_POINTS = ["sharegpt", "syn1x", "synonly", "syn2x", "syn4x"]  # the curve `run` and `plan` take by default
 EPOCHS = 3  # the curve's epochs: a point at other epochs is reported as <point>-<epochs>ep
 CURVE = "bench/out/curve"
-CKPT = Path(".eaglenest") / "train"  # stages.train's checkpoints in the work repo
+CKPT = paths.TRAIN_CKPT  # stages.train's checkpoints, in the work repo
 RUNNING = f"{CURVE}/running"  # the point begun and not finished (its stage times are gp.TIMES)
 CKPT_S = 90  # a run that goes on on the next machine: its checkpoint saved there, loaded here (calls)
 # stages a fresh machine restores from the saved run-cache: the texts (the GPU's costly decoding) and

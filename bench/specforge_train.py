@@ -162,6 +162,7 @@ def main() -> None:
 
     from eaglenest.drafter.train_config import TrainConfig
     from eaglenest.target import load_target
+    from stages import _paths as paths
 
     out = a.out or a.workdir / "bench" / "out" / "specforge"
     out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ def main() -> None:
         p[name] = yaml.safe_load(value)
     cfg = TrainConfig.from_params(p)
     trainer = specforge_trainer(
-        Path("data/packed"), load_target(Path("data/target")), cfg, Path(".eaglenest/train"), a.attention
+        Path("data/packed"), load_target(Path("data/target")), cfg, paths.TRAIN_CKPT, a.attention
     )
     t = time.time()
     result = trainer.fit()

@@ -9,6 +9,7 @@ DRAFTER = Path("data/drafter")
 HIDDEN = Path("data/hidden")
 TOKENIZED = Path("data/tokenized")
 TEACHER = Path("data/teacher")
+TRAIN_CKPT = Path(".eaglenest/train")  # train's checkpoints: outside DVC's outputs, they outlive a failed run
 DIGESTS = Path(".eaglenest/digests.json")  # the target's file digests by stat (not a DVC output: a cache)
 
 

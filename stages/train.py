@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics", default=str(paths.metrics("train")), help="headline figures (default: %(default)s)")
     ap.add_argument("--report", default=str(paths.report("train")), help="every figure (default: %(default)s)")
     ap.add_argument("--timing", default=str(paths.timing("train")), help="the run's clock (default: %(default)s)")
-    ap.add_argument("--ckpt-dir", default=".eaglenest/train")
+    ap.add_argument("--ckpt-dir", default=str(paths.TRAIN_CKPT))
     args = ap.parse_args(argv)
     p = _params.load("train")
     cfg = TrainConfig.from_params(p)
