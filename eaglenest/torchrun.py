@@ -36,7 +36,7 @@ def ranks(nproc: int | str, micro_batches: int, gpus: int) -> int:
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise EaglenestError(f"train.nproc must be auto or an integer >= 1, got {nproc!r} (params.yaml `train`)")
     if gpus and nproc > gpus:
-        raise EaglenestError(f"train.nproc {nproc}: only {gpus} GPU(s) visible (params.yaml `train`)")
+        raise EaglenestError(f"train.nproc {nproc}: train.device has only {gpus} GPU(s) (params.yaml `train`)")
     if micro_batches % nproc:
         raise EaglenestError(
             f"train.nproc {nproc} does not divide train.micro_batches {micro_batches}: each optimizer step's "

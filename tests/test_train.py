@@ -240,7 +240,7 @@ def test_train_nproc_resolves_to_ranks_that_split_the_micro_batches(caplog):
     assert ranks(2, 4, 0) == 2 and ranks(4, 4, 8) == 4  # gloo processes on the CPU; fewer GPUs than there are
     for nproc, micro, gpus, says in [
         (3, 4, 0, "train.nproc 3 does not divide train.micro_batches 4"),
-        (4, 4, 2, "train.nproc 4: only 2 GPU(s) visible"),
+        (4, 4, 2, "train.nproc 4: train.device has only 2 GPU(s)"),
         (0, 4, 0, "train.nproc must be auto or an integer >= 1, got 0"),
         ("two", 4, 0, "train.nproc must be auto or an integer >= 1, got 'two'"),
     ]:

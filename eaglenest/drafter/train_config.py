@@ -31,7 +31,7 @@ class TrainConfig:
     compile: str  # auto (on CUDA) | true | false: torch.compile around the attention kernel
     intermediate_size: int | None  # the drafter's MLP width; None = the target's
     loader_workers: int | str  # processes reading the stores: auto (CUDA: 3/4 of a rank's cores; CPU: 0)
-    nproc: int | str  # ranks the stage starts under torchrun (eaglenest/torchrun.py); a rank reads WORLD_SIZE
+    nproc: int | str  # ranks the stage starts under torchrun (eaglenest/torchrun.py); unused under a hand-run torchrun
 
     @classmethod
     def from_params(cls, p: dict) -> "TrainConfig":
