@@ -19,6 +19,15 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
+def visible_gpus(device: str) -> int:
+    """CUDA devices `train.device` gives a rank per GPU: all for auto or cuda, one for cuda:N."""
+    import torch  # only the launcher's own process needs it, and only here
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count() if device in ("auto", "cuda") else 1
+
+
 def ranks(nproc: int | str, micro_batches: int, gpus: int) -> int:
     """The world size for `train.nproc` on a host with `gpus` visible CUDA devices (0: training on the
     CPU). auto: one rank per GPU, as many as split `train.micro_batches` evenly (each optimizer step's

@@ -17,27 +17,18 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.drafter.train import Trainer
 from eaglenest.drafter.train_config import TrainConfig
 from eaglenest.errors import exit_on_error
 from eaglenest.made_on import made_on
 from eaglenest.target import load_target
-from eaglenest.torchrun import ranks, relaunch, under_torchrun
+from eaglenest.torchrun import ranks, relaunch, under_torchrun, visible_gpus
 
 from . import _params
 from . import _paths as paths
 
 log = logging.getLogger("eaglenest.train")
-
-
-def visible_gpus(device: str) -> int:
-    """CUDA devices a rank per GPU could use: all for train.device auto or cuda, one for cuda:N."""
-    if device == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count() if device in ("auto", "cuda") else 1
 
 
 @exit_on_error

@@ -33,6 +33,14 @@ def history(ws):
     return [h["loss"] for h in json.loads((ws / ".eaglenest/train/history.json").read_text())]
 
 
+def ranks_env(tmp_path):
+    """The environment for a stage that starts torchrun: one thread a rank, and an empty TMPDIR of
+    its own, which must be empty again after the run (torchrun's log directory included)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}, tmp
+
+
 def test_pack_layout_and_vocab(tiny_packed):
     vocab = load_file(str(tiny_packed / "data/packed/vocab.safetensors"))
     sel, d2t, t2d = vocab["selected"], vocab["d2t"], vocab["t2d"]
@@ -177,9 +185,8 @@ def test_ddp_two_gloo_processes_match_one_process(tiny_packed, tmp_path):
     one = workspace_copy(tiny_packed, tmp_path / "one", epochs=1)
     run_py(["-m", "stages.train"], cwd=one)
     two = workspace_copy(tiny_packed, tmp_path / "two", epochs=1, nproc=2)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    p = run_py(["-m", "stages.train"], cwd=two, env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    env, tmp = ranks_env(tmp_path)
+    p = run_py(["-m", "stages.train"], cwd=two, env_extra=env)
     assert "training on 2 ranks under torchrun (train.nproc 2)" in p.stderr
     m = json.loads((two / "reports/train.json").read_text())
     assert m["world_size"] == 2, p.stderr[-2000:]
@@ -194,9 +201,8 @@ def test_a_rank_s_error_is_the_stage_s_last_line(tiny_packed, tmp_path):
     shutil.rmtree(ws / "data/hidden")
     shutil.copytree(tiny_packed / "data/hidden", ws / "data/hidden")
     (ws / "data/hidden/a/aux/c.0.0.0").unlink()
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    p = run_py(["-m", "stages.train"], cwd=ws, check=False, env_extra={"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    env, tmp = ranks_env(tmp_path)
+    p = run_py(["-m", "stages.train"], cwd=ws, check=False, env_extra=env)
     assert p.returncode == 2, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert re.search(
@@ -211,9 +217,8 @@ def test_a_signal_to_the_stage_stops_every_rank_it_started(tiny_packed, tmp_path
     import signal
 
     ws = workspace_copy(tiny_packed, tmp_path / "ws", epochs=400, ckpt_every=10**6, nproc=2)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    p, err, reader = training_at_step_3(ws, {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)})
+    env, tmp = ranks_env(tmp_path)
+    p, err, reader = training_at_step_3(ws, env)
     p.send_signal(signal.SIGTERM)
     assert p.wait(120) != 0
     reader.join(10)
