@@ -30,6 +30,13 @@ def replaced_file(path: Path):
         raise
 
 
+def copy_file(src: Path, dst: Path) -> None:
+    """`dst` becomes a copy of `src` by rename: a copy written into `dst` itself would write through a
+    hard link (DVC's cache links outputs) into every other name of the file."""
+    with replaced_file(dst) as tmp:
+        shutil.copyfile(src, tmp)
+
+
 def write_json(path: Path, obj, durable: bool = False) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"  # before any file exists: may raise
     with replaced_file(path) as tmp, open(tmp, "w") as f:

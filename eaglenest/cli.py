@@ -2,6 +2,8 @@
 
 eaglenest verify data/hidden/*      re-hash every sample; exit 1 if any does not match (a missing
                                     shard file is named with the samples it held)
+eaglenest verify --cache            re-hash every DVC cache object behind the workspace's outputs
+                                    (dvc.lock, *.dvc); exit 1 naming any whose bytes changed
 eaglenest info data/hidden/<part>   attributes, sample and token counts
 eaglenest stores [data/hidden]      list stores grouped by extractor fingerprint
 eaglenest invalidate                list extractor fingerprints and the parts each one made
@@ -22,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eaglenest.errors import EaglenestError, exit_on_error
+from eaglenest.names import plain_name
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 
@@ -45,8 +48,10 @@ def store_dir(path) -> Path:
 
 
 def cmd_verify(args) -> int:
+    if not args.stores and not args.cache:
+        raise EaglenestError("verify: name stores (data/hidden/*), or --cache for the DVC cache, or both")
     stores = [store_dir(p) for p in args.stores]  # every path checked before any long work
-    bad_total = 0
+    bad_total = verify_cache(args.quiet) if args.cache else 0
     for path in stores:
         bad = verify_store(path, progress=not args.quiet)
         for msg in bad:
@@ -55,8 +60,23 @@ def cmd_verify(args) -> int:
             print(f"OK      {path}")
         bad_total += len(bad)
     if bad_total:
-        print(f"{bad_total} bad sample(s)", file=sys.stderr)
+        print(f"{bad_total} bad sample(s) or cache object(s)", file=sys.stderr)
     return 1 if bad_total else 0
+
+
+def verify_cache(quiet: bool) -> int:
+    """The DVC cache objects of this workspace's outputs against their md5; the number corrupt."""
+    from eaglenest.dvc_cache import check_cache
+
+    r = check_cache(Path("."), progress=not quiet)
+    for msg in r.corrupt:
+        print(f"BAD     {msg}")
+    absent = f", {r.absent} not in the cache (never pulled)" if r.absent else ""
+    print(f"{'OK' if not r.corrupt else 'BAD':8s}DVC cache: {r.checked} object(s), {r.bytes:,} bytes checked{absent}")
+    if r.corrupt:
+        print("a corrupt object holds other bytes than its name says: remove it and `dvc pull` it, or rerun the stage "
+              "that made it (`dvc repro -f <stage>`)", file=sys.stderr)  # fmt: skip
+    return len(r.corrupt)
 
 
 def cmd_info(args) -> int:
@@ -162,9 +182,9 @@ def cmd_plan(args) -> int:
             print(f"  {states:5s} {v['row_bytes']:>8,} B a token   stores {size(v['store_bytes']):>9}   "
                   f"pack {size(v['pack_bytes']):>9}")  # fmt: skip
         return 0
-    import yaml
+    from eaglenest.names import load_yaml
 
-    params = yaml.safe_load(Path(args.params).read_text())
+    params = load_yaml(Path(args.params))
     out = disk_plan.for_params(params, Path("."))
     if args.json:
         print(json.dumps(out, indent=1))
@@ -202,7 +222,8 @@ def cmd_profile(args) -> int:
             first = next((line.lstrip("# ").strip() for line in p.read_text().splitlines() if line.startswith("#")), "")
             print(f"{p.stem:12s} {first}")
         return 0
-    changes = profile.apply(Path(args.dir) / f"{args.name}.yaml", Path(args.params), dry_run=args.dry_run)
+    name = plain_name(args.name, "profile")
+    changes = profile.apply(Path(args.dir) / f"{name}.yaml", Path(args.params), dry_run=args.dry_run)
     for key, old, new in changes:
         print(f"{key}: {json.dumps(old, default=str)} -> {json.dumps(new, default=str)}")
     verb = "would change" if args.dry_run else "changed"
@@ -231,8 +252,10 @@ def main(argv=None) -> None:
         prog="eaglenest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="re-hash every sample of the given stores")
-    v.add_argument("stores", nargs="+")
+    v = sub.add_parser("verify", help="re-hash every sample of the given stores, or the DVC cache's objects")
+    v.add_argument("stores", nargs="*")
+    v.add_argument("--cache", action="store_true",
+                   help="also check every DVC cache object of this workspace's outputs against its md5")  # fmt: skip
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     v.set_defaults(fn=cmd_verify)
     i = sub.add_parser("info", help="show a store's attributes and counts")

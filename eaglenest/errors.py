@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from eaglenest import children
+
 log = logging.getLogger("eaglenest")
 
 
@@ -38,19 +40,27 @@ def describe_os_error(e: OSError) -> str:
 
 def exit_on_error(fn):
     """Run a command-line main: EaglenestError, or an OSError (a path that cannot be read or
-    written), -> one clear line on stderr and exit 2; never a bare traceback for those."""
+    written), -> one clear line on stderr and exit 2; never a bare traceback for those. SIGTERM,
+    SIGHUP and SIGINT (Ctrl-C) -> one line and exit 128 + the signal. Either way, and on success,
+    no process the command started outlives it (`children`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         setup_logging()
+        children.raise_on_signals()
         try:
             return fn(*args, **kwargs)
         except EaglenestError as e:
             fail(str(e))
         except OSError as e:
             fail(describe_os_error(e))
+        except KeyboardInterrupt as e:
+            log.error("interrupted by %s; what was committed is kept: rerun to resume", children.signal_name(e))
+            sys.exit(children.exit_code(e))
         finally:
             log_gpu_peak()
+            if left := children.end_descendants():
+                log.warning("ended %d process(es) this command had started and left running", len(left))
 
     return wrapper
 

@@ -15,6 +15,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from eaglenest.atomic import replaced_file
 from eaglenest.errors import EaglenestError
+from eaglenest.names import load_yaml, plain_name
 
 
 def _yaml() -> YAML:
@@ -49,17 +50,14 @@ def overrides(profile: Path, _seen: tuple[Path, ...] = ()) -> dict[str, object]:
     if profile.resolve() in _seen:
         chain = " -> ".join(p.stem for p in (*_seen, profile.resolve()))
         raise EaglenestError(f"{_seen[0]}: profiles extend each other in a loop: {chain}")
-    try:
-        data = YAML(typ="safe").load(profile.read_text()) or {}
-    except YAMLError as e:
-        raise EaglenestError(f"{profile}: not valid YAML: {e}") from None
+    data = load_yaml(profile) or {}  # a key set twice is refused, naming it
     if not isinstance(data, dict):
         raise EaglenestError(f"{profile}: must map params sections to keys")
     out = {}
     if (base := data.pop("extends", None)) is not None:
-        if not isinstance(base, str) or not base or "/" in base:
+        if not isinstance(base, str):
             raise EaglenestError(f"{profile}: `extends` names a profile of {profile.parent}, e.g. `extends: gpu`")
-        out = overrides(profile.parent / f"{base}.yaml", (*_seen, profile.resolve()))
+        out = overrides(profile.parent / f"{plain_name(base, f'{profile}: extends')}.yaml", (*_seen, profile.resolve()))
     for section, keys in data.items():
         if not isinstance(keys, dict) or not keys:
             raise EaglenestError(f"{profile}: `{section}` must map keys of that params section to values")
@@ -69,6 +67,7 @@ def overrides(profile: Path, _seen: tuple[Path, ...] = ()) -> dict[str, object]:
 
 def apply(profile: Path, params: Path, dry_run: bool = False) -> list[tuple[str, object, object]]:
     """Set the profile's keys in the params file; returns (key, old, new) of the keys that change."""
+    load_yaml(params)  # bad YAML or a key set twice: refused before anything is written
     y = _yaml()
     doc = y.load(Path(params).read_text())
     changes = []

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglenest.atomic import replaced_dir
+from eaglenest.atomic import replaced_dir, replaced_file
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import DigestCache, sha256_file, sha256_text
 from eaglenest.wheels import package_file
@@ -69,6 +69,52 @@ def fingerprint(model_dir: Path, cache: DigestCache | None = None) -> str:
     return sha256_text(*parts)
 
 
+# bytes per element of each safetensors dtype
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                      "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+
+
+def check_weights(model_dir: Path) -> None:
+    """Every weight file can be what its header says: a safetensors file's tensors (dtype x shape)
+    fill exactly the bytes after its header; a .bin file is a whole zip archive. A truncated or
+    corrupt file fails here, naming it, before it is fingerprinted and loaded."""
+    import zipfile
+
+    for path in sorted(p for p in Path(model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES):
+        if path.suffix == ".bin":
+            if not zipfile.is_zipfile(path):
+                raise EaglenestError(f"{path}: not a whole PyTorch weight file (truncated or corrupt); copy it again")
+            continue
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            try:
+                if not 0 < n <= size - 8:
+                    raise ValueError(f"a header of {n} bytes in a file of {size}")
+                header = json.loads(f.read(n))
+                ends = [_tensor_end(name, t) for name, t in header.items() if name != "__metadata__"]
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise EaglenestError(f"{path}: not a valid safetensors file ({e}); copy it again") from None
+        if 8 + n + max(ends, default=0) != size:
+            raise EaglenestError(
+                f"{path}: its header describes {8 + n + max(ends, default=0):,} bytes but the file has {size:,} "
+                f"(truncated or corrupt); copy it again"
+            )
+
+
+def _tensor_end(name: str, t: dict) -> int:
+    begin, end = t["data_offsets"]
+    count = 1
+    for d in t["shape"]:
+        count *= int(d)
+    if t["dtype"] not in SAFETENSORS_DTYPES:
+        raise ValueError(f"tensor {name}: unknown dtype {t['dtype']!r}")
+    if end - begin != count * SAFETENSORS_DTYPES[t["dtype"]] or begin < 0:
+        raise ValueError(f"tensor {name}: {t['dtype']} {t['shape']} does not fill bytes [{begin}, {end})")
+    return int(end)
+
+
 def _builtin_gguf(name: str) -> Path:
     if name not in BUILTINS:
         raise EaglenestError(f"unknown builtin target {name!r}; known: {', '.join(BUILTINS)}")
@@ -113,6 +159,7 @@ def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16", digests: Path
         if not model_dir.is_dir():
             raise EaglenestError(f"target.path {spec!r}: no such directory")
         stored_path = str(model_dir)
+    check_weights(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     cache = DigestCache(digests)
@@ -124,7 +171,8 @@ def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16", digests: Path
         "hidden_size": cfg["hidden_size"],
         "vocab_size": cfg["vocab_size"],
     }
-    (out_dir / POINTER).write_text(json.dumps(info, indent=2) + "\n")
+    with replaced_file(out_dir / POINTER) as tmp:  # by rename: DVC's cache may hard-link the old one
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
     cache.save()
     log.info(
         "target %s: %d layers, hidden %d, vocab %d, fingerprint %s",
@@ -147,6 +195,11 @@ def load_target(target_dir: Path) -> Target:
     model_dir = Path(info["model_dir"])
     if not model_dir.is_absolute():
         model_dir = target_dir / model_dir
+    if not (model_dir / "config.json").is_file():  # else transformers reads the path as a hub repo id
+        raise EaglenestError(
+            f"{pointer}: the target's directory {model_dir} is gone or holds no config.json; restore it, "
+            f"or set target.path to where the model is now and run `dvc repro target`"
+        )
     return Target(
         spec=info["spec"],
         model_dir=model_dir,

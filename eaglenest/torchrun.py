@@ -68,7 +68,7 @@ def relaunch(n: int, module: str, argv: list[str]) -> int:
         def forward(sig, _frame):
             child.send_signal(sig)
 
-        before = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        before = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             code = child.wait()
         finally:

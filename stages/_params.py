@@ -8,9 +8,8 @@ import os
 import re
 from pathlib import Path
 
-import yaml
-
 from eaglenest.errors import EaglenestError
+from eaglenest.names import PLAIN, load_yaml
 
 PARAMS = Path("params.yaml")
 
@@ -56,6 +55,12 @@ def _str(v):
     return None if isinstance(v, str) and v else "a non-empty string"
 
 
+def _name(v):
+    """A part's name: it becomes file names under data/ (eaglenest.names.PLAIN)."""
+    ok = isinstance(v, str) and PLAIN.fullmatch(v) and ".." not in v
+    return None if ok else "a plain name (letters, digits, '.', '_', '-'; no '/', '..' or leading dot)"
+
+
 def _bool(v):
     return None if isinstance(v, bool) else "true or false"
 
@@ -71,12 +76,13 @@ DEVICE = _either(
     what="auto, cpu, cuda or cuda:N",
 )
 DTYPE = _one_of("bfloat16", "float16", "float32")
+COMPUTE_DTYPE = _one_of("auto", "bfloat16", "float16", "float32")  # auto: made_on.compute_dtype
 POS = _int(1)
 
 SCHEMA = {
     "target": {"path": _str, "dtype": DTYPE},
     "data": {
-        "parts": _list(_str),
+        "parts": _list(_name),
         "sharegpt": {"*": {"start": _int(0), "count": _int(1), "turns": _int(0)}},
         "synthetic": {"*": {"count": _int(1), "seed": _int(0), "temperature": _num(0, lo_open=True), "turns": _int(1)}},
     },
@@ -84,7 +90,7 @@ SCHEMA = {
         "system": _either(_null, _str, what="null or a non-empty string"),
         "max_prompt_tokens": POS,
         "near_duplicate": _num(0, 1, lo_open=True),
-        "dtype": DTYPE,
+        "dtype": COMPUTE_DTYPE,
         "device": DEVICE,
         "batch_tokens": POS,
         "max_rows": POS,
@@ -95,7 +101,7 @@ SCHEMA = {
         "temperature": _num(0),
         "max_turns": _int(0),
         "seed": _int(),
-        "dtype": DTYPE,
+        "dtype": COMPUTE_DTYPE,
         "device": DEVICE,
         "batch_tokens": POS,
         "max_rows": POS,
@@ -108,7 +114,7 @@ SCHEMA = {
     "extract": {
         "backend": _one_of("hf", "sglang", "vllm"),
         "taps": _either(_one_of("auto"), _list(_int(0), 3, 3), what="auto or three layer indices >= 0"),
-        "dtype": DTYPE,
+        "dtype": COMPUTE_DTYPE,
         "revision": _int(0),
         "device": DEVICE,
         "batch_tokens": _either(_one_of("auto"), POS, what="auto or an integer >= 1"),
@@ -192,7 +198,7 @@ SCHEMA = {
         "k": _either(POS, _list(POS), what="an integer >= 1 or a list of them"),
         "trees": _list(_list(POS, 3, 3), min_len=0),
         "max_new_tokens": POS,
-        "dtype": DTYPE,
+        "dtype": COMPUTE_DTYPE,
         "device": DEVICE,
         "batch_size": POS,
         "speed_questions": _either(_null, POS, what="null or an integer >= 1"),
@@ -211,6 +217,8 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
         raise EaglenestError(f"{PARAMS}: {where or 'the file'} must be a mapping, not {params!r}")
     for key, value in params.items():
         name = f"{where}.{key}" if where else str(key)
+        if key not in schema and "*" in schema and _name(key):  # a declared part: its name becomes paths
+            raise EaglenestError(f"{PARAMS}: part `{name}`: the name must be {_name(key)}")
         rule = schema.get(key, schema.get("*"))
         if rule is None:
             raise EaglenestError(
@@ -234,10 +242,7 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
 def load(section: str | None = None) -> dict:
     if not PARAMS.is_file():
         raise EaglenestError(f"{PARAMS.resolve()}: not found; run stages from the repository root")
-    try:
-        params = yaml.safe_load(PARAMS.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise EaglenestError(f"{PARAMS}: not valid YAML: {e}") from None
+    params = load_yaml(PARAMS) or {}  # a key set twice is refused, as DVC refuses it
     validate(params)
     if section is None:
         return params

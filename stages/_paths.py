@@ -3,6 +3,8 @@ that dvc.yaml declares as deps and outs (tests/test_paths.py checks that the two
 
 from pathlib import Path
 
+from eaglenest.names import plain_name
+
 TARGET = Path("data/target")
 PACKED = Path("data/packed")
 DRAFTER = Path("data/drafter")
@@ -15,24 +17,24 @@ DIGESTS = Path(".eaglenest/digests.json")  # the target's file digests by stat (
 
 def part(name: str) -> Path:
     """A conversations part: cut from ShareGPT, or a user's JSONL tracked with `dvc add`."""
-    return Path(f"data/parts/{name}.jsonl")
+    return Path(f"data/parts/{plain_name(name, 'part')}.jsonl")
 
 
 def generated(name: str) -> Path:
-    return Path(f"data/generated/{name}.jsonl")
+    return Path(f"data/generated/{plain_name(name, 'part')}.jsonl")
 
 
 def tokenized(name: str) -> Path:
-    return TOKENIZED / f"{name}.parquet"
+    return TOKENIZED / f"{plain_name(name, 'part')}.parquet"
 
 
 def hidden(name: str) -> Path:
-    return HIDDEN / name
+    return HIDDEN / plain_name(name, "part")
 
 
 def teacher(name: str) -> Path:
     """A part's teacher argmax (stages/teacher.py): what pack needs of its states."""
-    return TEACHER / name
+    return TEACHER / plain_name(name, "part")
 
 
 def metrics(stage: str, ext: str = "json") -> Path:
@@ -45,11 +47,13 @@ def report(stage: str, name: str | None = None) -> Path:
     """Every figure a stage computed that the same machine kind computes again, byte for byte:
     reports/<stage>.json (in git), or reports/<stage>/<part>.json for a per-part stage (a cached
     output like its data, so DVC's run-cache can restore the part on another machine)."""
-    return Path("reports", stage, f"{name}.json") if name else Path("reports", f"{stage}.json")
+    return Path("reports", stage, f"{plain_name(name, 'part')}.json") if name else Path("reports", f"{stage}.json")
 
 
 def timing(stage: str, name: str | None = None) -> Path:
     """reports/timing/<stage>[/<part>].json: wall clock and throughput, which differ on every run.
     Neither in git nor a DVC output, so neither `dvc.lock` nor `dvc metrics diff` sees them (read
     them with `dvc metrics show reports/timing/<stage>.json`)."""
-    return Path("reports", "timing", stage, f"{name}.json") if name else Path("reports", "timing", f"{stage}.json")
+    if name:
+        return Path("reports", "timing", stage, f"{plain_name(name, 'part')}.json")
+    return Path("reports", "timing", f"{stage}.json")

@@ -24,12 +24,12 @@ import csv
 import logging
 from pathlib import Path
 
-from eaglenest.atomic import write_json
+from eaglenest.atomic import replaced_file, write_json
 from eaglenest.decoding.tree import TreeShape
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.evaluate import evaluate, mtbench_prompts
-from eaglenest.made_on import made_on
-from eaglenest.target import load_target
+from eaglenest.made_on import compute_dtype, made_on
+from eaglenest.target import load_target, pick_device
 
 from . import _params
 from . import _paths as paths
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
         mtbench_prompts(p["questions"]),
         ks,
         max_new_tokens=int(p["max_new_tokens"]),
-        dtype=p["dtype"],
+        dtype=compute_dtype(p["dtype"], pick_device(p["device"])),
         device=p["device"],
         batch_size=int(p["batch_size"]),
         speed_questions=p["speed_questions"],
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     write_json(paths.metrics("evaluate"), {"tau": metrics["tau"], "lossless": lossless, **made_on(metrics["device"])})
     write_json(paths.report("evaluate"), metrics)
     write_json(paths.timing("evaluate"), timing)
-    with open(paths.metrics("evaluate_positions", ext="csv"), "w", newline="") as f:
+    with replaced_file(paths.metrics("evaluate_positions", ext="csv")) as tmp, open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["k", "position", "acceptance"])
         for k, rates in metrics["accept_rate_per_position"].items():

@@ -1,7 +1,8 @@
 """Stage `extract@<part>`: hidden states of a tokenized part into a validated Zarr store.
 
     python -m stages.extract <part>
-    params: extract.* (backend, taps, dtype, device, devices, batch_tokens, writers, revision, work_dir;
+    params: extract.* (backend, taps, dtype (auto: bfloat16 on a GPU or a CPU with bf16 units, else
+            float32; part of the extractor fingerprint), device, devices, batch_tokens, writers, revision, work_dir;
             extract.hf.compile for the hf backend: auto = kernels on CUDA (the backend's own layers for
             Llama, Mistral, Qwen2 and Qwen3, with its own Triton kernels), layers = the same layers as
             one torch.compile graph, true = inside transformers' forward;
@@ -30,7 +31,7 @@ from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.plan import batch_tokens_for, token_count
 from eaglenest.extraction.wall_clock import add_fixed_cost
-from eaglenest.made_on import made_on
+from eaglenest.made_on import compute_dtype, made_on
 from eaglenest.sizes import size
 from eaglenest.taps import resolve_taps
 from eaglenest.target import check_fingerprint, load_target, pick_device
@@ -57,8 +58,9 @@ def main(argv=None) -> None:
     name = ex["backend"]
     states = st["states"]
     kw = {"states": states} if name == "hf" else {}  # hf quantizes on its device; others' states in the fill
-    options = {"taps": taps, "dtype": ex["dtype"], **kw, **(ex[name] or {})}
     devices = devices_for(ex["devices"], ex["device"])
+    dtype = compute_dtype(ex["dtype"], pick_device(devices[0]))  # auto: float32 on a CPU without bf16 units
+    options = {"taps": taps, "dtype": dtype, **kw, **(ex[name] or {})}
     if len(devices) > 1 and name != "hf":
         raise EaglenestError(f"extract.devices {ex['devices']!r}: several devices need backend hf ({name} has its own: "
                              f"--dp-size / --data-parallel-size in extract.{name}.server_args)")  # fmt: skip
@@ -72,7 +74,7 @@ def main(argv=None) -> None:
             target=target,
             backend=backend,
             taps=taps,
-            dtype=ex["dtype"],
+            dtype=dtype,
             revision=ex["revision"],
             layout_cfg={**{k: st[k] for k in ("chunk_mb", "shard_mb", "codec", "level")}, "states": states},
             validate_cfg=va,
@@ -87,12 +89,12 @@ def main(argv=None) -> None:
         )
     except GateFailed as e:
         add_fixed_cost(e.metrics, t_main, fingerprint_s)
-        _figures.write(*report_paths, {**e.metrics, **made_on(pick_device(devices[0]))})
+        _figures.write(*report_paths, {**e.metrics, **made_on(pick_device(devices[0]), dtype)})
         raise
     finally:
         backend.close()  # stops a server the sglang or vllm backend launched
     add_fixed_cost(metrics, t_main, fingerprint_s)
-    _figures.write(*report_paths, {**metrics, **made_on(pick_device(devices[0]))})
+    _figures.write(*report_paths, {**metrics, **made_on(pick_device(devices[0]), dtype)})
 
 
 def plan_disk(part: str, target, taps: list, states: str, work_root: Path, reserve_gb: float) -> None:

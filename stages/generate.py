@@ -11,14 +11,13 @@ tokens/s go to reports/timing/generate/<part>.json.
 
 import argparse
 import logging
-import shutil
 import time
 
-from eaglenest.atomic import write_json
+from eaglenest.atomic import copy_file, write_json
 from eaglenest.data.conversations import read_jsonl, write_jsonl
 from eaglenest.errors import exit_on_error
 from eaglenest.generate import regenerate
-from eaglenest.made_on import made_on
+from eaglenest.made_on import compute_dtype, made_on
 from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
 
 from . import _params
@@ -39,15 +38,15 @@ def main(argv=None) -> None:
     # validate early, naming file and line; prompt-only conversations only where the target answers them
     convs, _ = read_jsonl(src, on_error=tokenize["on_error"], prompts_ok=p["enabled"])
     if not p["enabled"]:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, out)
+        copy_file(src, out)
         write_json(report, {"enabled": False, "conversations": len(convs)})
         log.info("part %s: generate.enabled is false, passed through %d conversations", args.part, len(convs))
         return
     t0 = time.perf_counter()
     target = load_target(paths.TARGET)
     device = pick_device(p["device"])
-    model = load_model(target, dtype=p["dtype"], device=device)
+    dtype = compute_dtype(p["dtype"], device)
+    model = load_model(target, dtype=dtype, device=device)
     kept, stats = regenerate(
         model,
         load_tokenizer(target),
@@ -68,7 +67,7 @@ def main(argv=None) -> None:
         "tokens_per_s": stats.pop("tokens_per_s"),
         "turn_s": [t.pop("seconds") for t in stats.get("per_turn", [])],
     }
-    stats.update(enabled=True, device=device, dtype=p["dtype"], temperature=float(p["temperature"]), **made_on(device))
+    stats.update(enabled=True, device=device, temperature=float(p["temperature"]), **made_on(device, dtype))
     write_json(report, stats)
     write_json(paths.timing("generate", args.part), timing)
     log.info(

@@ -15,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+from eaglenest.atomic import replaced_file
 from eaglenest.decoding.tree import TreeShape
 from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.evaluate import mode_key, mtbench_prompts
@@ -65,8 +66,8 @@ def main(argv=None) -> None:
     exit_on_sigterm()
     metrics, per_q = serve_check(engine, load_target(a.target), a.drafter, mtbench_prompts(a.questions), mode,
                                  a.max_new_tokens)  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**metrics, "per_question": per_q}, indent=1) + "\n")
+    with replaced_file(out) as tmp:
+        tmp.write_text(json.dumps({**metrics, "per_question": per_q}, indent=1) + "\n")
     log.info(
         "%s tau %.3f vs offline %.3f, %s (%d questions x %d tokens); %d/%d identical to greedy",
         a.engine,

@@ -22,7 +22,7 @@ import time
 from eaglenest.atomic import write_json
 from eaglenest.data.conversations import write_jsonl
 from eaglenest.errors import exit_on_error
-from eaglenest.made_on import made_on
+from eaglenest.made_on import compute_dtype, made_on
 from eaglenest.synthetic import conversations, sample_prompts
 from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
 
@@ -50,7 +50,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     target = load_target(paths.TARGET)
     device = pick_device(p["device"])
-    model = load_model(target, dtype=p["dtype"], device=device)
+    dtype = compute_dtype(p["dtype"], device)
+    model = load_model(target, dtype=dtype, device=device)
     prompts, stats = sample_prompts(
         model,
         load_tokenizer(target),
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     write_jsonl(
         conversations(args.part, prompts, p["system"], follow_ups if args.turns > 1 else None), paths.part(args.part)
     )
-    stats.update(seed=args.seed, temperature=args.temperature, turns=args.turns, dtype=p["dtype"], **made_on(device))
+    stats.update(seed=args.seed, temperature=args.temperature, turns=args.turns, **made_on(device, dtype))
     write_json(paths.report("synthetic", args.part), stats)
     wall = time.perf_counter() - t0
     write_json(paths.timing("synthetic", args.part), {"wall_s": round(wall, 2)})

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
         with replaced_dir(Path(args.out)) as tmp:
             trainer.model.save_pretrained(tmp)
         last = result["epochs"][-1]
-        made = made_on(str(trainer.device))
+        made = made_on(str(trainer.device), trainer.compute_dtype)
         write_json(Path(args.metrics), {"val_tau": last["val"]["simulated_tau"], **made})  # loss: the report
         write_json(
             Path(args.report),

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eaglenest import children
 from eaglenest.atomic import replaced_file
 from eaglenest.errors import EaglenestError
 
@@ -111,7 +112,7 @@ def _encoded(tokenizer, convs: list[dict], workers: int):
         yield from map(_encode, (c["messages"] for c in convs))
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per process; quiet after fork
-    with multiprocessing.get_context("fork").Pool(min(workers, len(convs))) as pool:
+    with multiprocessing.get_context("fork").Pool(min(workers, len(convs)), children.worker_init) as pool:
         yield from pool.imap(_encode, (c["messages"] for c in convs), chunksize=64)
 
 

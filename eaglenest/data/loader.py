@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eaglenest import children
 from eaglenest.data.packed import PackedSplit, as_tensors, batch_layout, collate, collate_into
 from eaglenest.errors import EaglenestError
 
@@ -26,6 +27,7 @@ _worker: dict = {}  # a worker's open split and its view of the slots
 
 
 def _init(packed: str, hidden_dir: str, names: list[str], slots: torch.Tensor, slot_bytes: int) -> None:
+    children.worker_init()
     torch.set_num_threads(1)  # a worker reads; the trainer's process computes
     splits = {n: PackedSplit(Path(packed), n, Path(hidden_dir)) for n in names}
     _worker.update(splits=splits, slots=slots.numpy(), size=slot_bytes)

@@ -1,5 +1,6 @@
 """The teacher's argmax (docs/design.md: Teacher): for every token of one part, the target's top token
-from its stored final state (`final @ lm_head`, bf16, as the drafter's loss sees it). It is the only
+from its stored final state (`final @ lm_head` in the compute dtype of `made_on.compute_dtype`: bf16,
+as the drafter's loss sees it on a GPU or a CPU with bf16 units; float32 on a CPU that emulates bf16). It is the only
 thing pack needs from the states, so a part's store is read once here, cached by DVC with the part,
 and pack (a new part, a changed `pack.*`) reads 4 bytes a token instead of the states.
 
@@ -22,8 +23,10 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from eaglenest import children
 from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.errors import EaglenestError
+from eaglenest.made_on import compute_dtype
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
 
@@ -86,7 +89,8 @@ def teacher(
             rows, filled = [], 0
     jobs += [rows] if rows else []
     workers = min(workers, len(jobs))  # a process per unit at most: spawning one costs seconds of imports
-    setup = (str(store.path), lm_head, device, states)
+    dtype = compute_dtype("auto", device)
+    setup = (str(store.path), lm_head, device, states, dtype)
     out = []
     with tqdm(total=len(store), desc=f"teacher {store.part}", unit="sample", disable=not progress) as bar:
         if workers <= 1:
@@ -100,9 +104,13 @@ def teacher(
             for job, top in zip(jobs, done):
                 out.append(top)
                 bar.update(len(job))
-        finally:
+        except BaseException:  # an error or a signal: the workers' units are not waited for
             if workers > 1:
-                pool.shutdown(cancel_futures=True)
+                pool.shutdown(wait=False, cancel_futures=True)
+                children.end_descendants()
+            raise
+        if workers > 1:
+            pool.shutdown()
     argmax = np.concatenate(out) if out else np.zeros(0, np.int32)
     manifest = {
         "part": store.part,
@@ -112,6 +120,7 @@ def teacher(
         "tokens": int(len(argmax)),
         "samples_digest": store.samples_digest(),
         "ids_digest": ids_digest(ids),
+        "dtype": dtype,
     }
     with replaced_dir(out_dir) as tmp:  # a failure leaves the old output and no temporary behind
         np.save(tmp / "argmax.npy", argmax)
@@ -145,12 +154,13 @@ def load_teacher(out_dir: Path, store: HiddenStore, ids: list[np.ndarray]) -> tu
 _ctx: dict = {}
 
 
-def _worker_init(store_path: str, lm_head: torch.Tensor, device: str, states: str) -> None:
+def _worker_init(store_path: str, lm_head: torch.Tensor, device: str, states: str, dtype: str) -> None:
     if mp.parent_process() is not None:  # a worker: one core each, the pool is the parallelism
+        children.worker_init()
         torch.set_num_threads(1)
     _ctx.update(
         store=HiddenStore(Path(store_path)),
-        head=lm_head.to(device=device, dtype=torch.bfloat16),
+        head=lm_head.to(device=device, dtype=getattr(torch, dtype)),
         device=device,
         states=states,
     )
@@ -169,5 +179,5 @@ def _read_unit(rows: list[tuple]) -> np.ndarray:
             final = state_format.decode_tensor(
                 {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in stored.items()}, "final", states
             )
-            tops.append((final.to(_ctx["device"]) @ head.T).argmax(-1).cpu().numpy().astype(np.int32))
+            tops.append((final.to(_ctx["device"], head.dtype) @ head.T).argmax(-1).cpu().numpy().astype(np.int32))
     return np.concatenate(tops) if tops else np.zeros(0, np.int32)

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eaglenest.atomic import replaced_file
 from eaglenest.drafter.config import DrafterConfig
 from eaglenest.errors import EaglenestError
 
@@ -219,8 +220,11 @@ class Eagle3Drafter(PreTrainedModel):
         out_dir.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
         state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
-        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        (out_dir / "config.json").write_text(json.dumps(self.config.serving_dict(), indent=2) + "\n")
+        # each file by rename: a directory of DVC's may hard-link them to its cache
+        with replaced_file(out_dir / "model.safetensors") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+        with replaced_file(out_dir / "config.json") as tmp:
+            tmp.write_text(json.dumps(self.config.serving_dict(), indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, path: Path, dtype=torch.float32, **_) -> "Eagle3Drafter":

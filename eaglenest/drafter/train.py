@@ -42,6 +42,7 @@ from eaglenest.drafter.train_config import TrainConfig, training_code_digest
 from eaglenest.drafter.ttt import ttt_loss
 from eaglenest.errors import EaglenestError
 from eaglenest.hashing import sha256_text
+from eaglenest.made_on import compute_dtype
 from eaglenest.target import Target, load_heads, model_config
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,11 @@ class Trainer:
             self.opt,
             lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / self.total_steps))),
         )
+        # auto: bf16 on a GPU or a CPU with bf16 units; a CPU that emulates bf16 trains faster in float32
         use_bf16 = cfg.autocast == "bf16" or (
-            cfg.autocast == "auto" and (self.device.type == "cuda" or torch.backends.mkldnn.is_available())
+            cfg.autocast == "auto" and compute_dtype("auto", str(self.device)) == "bfloat16"
         )
+        self.compute_dtype = "bfloat16" if use_bf16 else "float32"
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
         # the training code is part of the key: a checkpoint written by other code (a DVC rerun
         # after a code change) is never resumed as if it were this run
@@ -317,7 +320,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def checkpoint_on_interrupt(self):
-        """Ctrl-C or SIGTERM (DVC, a job scheduler, a call's time limit) finishes the running step,
+        """Ctrl-C, SIGTERM or SIGHUP (DVC, a job time limit, a closed terminal) finishes the running step,
         saves a checkpoint and then stops: the next run resumes there, not at the last `ckpt_every`.
         One process only: under DDP the ranks would have to agree on the step, so there the signal
         stops at once as before."""
@@ -332,7 +335,7 @@ class Trainer:
             self.interrupted = signal.Signals(signum).name
             log.warning("%s: finishing this step, then saving a checkpoint (again to stop at once)", self.interrupted)
 
-        old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             yield
         finally:

@@ -165,6 +165,9 @@ def write_checksums(path: Path) -> None:
     )
 
 
+RESTORE = "restore the store (`dvc checkout`) or extract the part again"
+
+
 def check_checksums(path: Path) -> None:
     path = Path(path)
     if not (path / CHECKSUMS).is_file():
@@ -175,7 +178,9 @@ def check_checksums(path: Path) -> None:
         raise EaglenestError(f"{path}/{CHECKSUMS}: corrupt ({e})") from None
 
     def check(f: str) -> None:
-        if not (path / f).is_file() or content_digest((path / f).read_bytes()) != expected.get(f):
+        if not (path / f).is_file():
+            raise EaglenestError(f"{path}/{f}: missing; {RESTORE}")
+        if content_digest((path / f).read_bytes()) != expected.get(f):
             raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
 
     check("zarr.json")  # first: it names the state format, hence the other files
@@ -188,8 +193,10 @@ class HiddenStore:
 
     def __init__(self, path: Path, check_metadata: bool = True):
         self.path = Path(path)
+        if not self.path.is_dir():
+            raise EaglenestError(f"{self.path}: no such store")
         if not (self.path / "zarr.json").is_file():
-            raise EaglenestError(f"{self.path}: not a hidden-state store (no zarr.json)")
+            raise EaglenestError(f"{self.path}/zarr.json: missing (not a hidden-state store, or incomplete); {RESTORE}")
         if check_metadata:
             check_checksums(self.path)
         self.group = zarr.open_group(str(self.path), mode="r")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eaglenest import children
 from eaglenest.atomic import fsync_path
 from eaglenest.store.hidden_store import Layout, fill_value, sample_digest
 from eaglenest.store.shard_format import EMPTY, crc32c
@@ -165,6 +166,8 @@ def writer_init(parent: int) -> None:
     (2) It dies with its parent: a watcher sees the parent gone (SIGKILL runs no exit path there),
     lets the piece being written finish (its bytes are what a resumed run writes), and exits; its
     end closes the resource tracker's last pipe, so the tracker exits too."""
+
+    children.worker_init()
 
     def bye():
         sys.stdout.flush()

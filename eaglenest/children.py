@@ -1,0 +1,102 @@
+"""Processes a command starts end with it: on success, on an error, and on SIGTERM, SIGINT or SIGHUP (a
+job scheduler's time limit, Ctrl-C, a closed terminal). The signals become an exception in the main
+thread, so every `with` and `finally` block stops what it started (servers, pools, loaders); whatever
+is still running when the command ends is ended by `end_descendants`. Pool workers leave Ctrl-C (which
+a terminal sends to the whole process group) to their parent, so one line is printed, not one
+traceback per process."""
+
+import os
+import signal
+import time
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is, as Python raises KeyboardInterrupt for SIGINT."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum, frame):
+    raise Interrupted(signum)
+
+
+def raise_on_signals() -> None:
+    """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt)."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _raise)
+
+
+def signal_name(e: KeyboardInterrupt) -> str:
+    return signal.Signals(e.signum).name if isinstance(e, Interrupted) else "SIGINT"
+
+
+def exit_code(e: KeyboardInterrupt) -> int:
+    """128 + the signal's number, as a shell reports a command a signal ended."""
+    return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
+
+
+def worker_init() -> None:
+    """First thing in a pool worker: Ctrl-C is its parent's to handle (the parent then ends the pool)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every living process below `pid` (default: this one), children first, from /proc."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "(comm)": state, ppid
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def end_descendants(grace_s: float = 3.0) -> list[int]:
+    """SIGTERM to every descendant still running, SIGKILL to those left after `grace_s`; returns
+    the pids that had to be ended. multiprocessing's resource tracker is left to end by itself: it
+    goes when this process does, after unlinking the shared memory a killed worker left."""
+    found = pids = [p for p in descendants() if _running(p) and not _is_resource_tracker(p)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + (grace_s if sig == signal.SIGTERM else 1.0)
+        while time.time() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.05)
+        pids = [p for p in pids if _running(p)]
+        if not pids:
+            break
+    return found
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a child of ours that ended but is not reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
