@@ -38,8 +38,12 @@ def exit_code(e: KeyboardInterrupt) -> int:
 
 
 def worker_init() -> None:
-    """First thing in a pool worker: Ctrl-C is its parent's to handle (the parent then ends the pool)."""
+    """First thing in a pool worker: Ctrl-C is its parent's to handle (the parent then ends the pool),
+    and SIGTERM ends it at once, as the pool's own terminate() expects (a forked worker inherits
+    `raise_on_signals`, whose exception there would leave the pool's queue locked)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def descendants(pid: int | None = None) -> list[int]:

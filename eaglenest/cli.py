@@ -43,7 +43,7 @@ def store_dir(path) -> Path:
     if not (p / "zarr.json").is_file():
         inside = find_stores(p)
         hint = f"; it holds {len(inside)} store(s): `eaglenest stores {p}` lists them" if inside else ""
-        raise EaglenestError(f"{p}: not a hidden-state store (no zarr.json){hint}")
+        raise EaglenestError(f"{p}: not a hidden-state store, or an incomplete one ({p / 'zarr.json'}: missing){hint}")
     return p
 
 

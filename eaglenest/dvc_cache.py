@@ -8,14 +8,12 @@ no longer hash to their name. Objects not in the cache (never pulled) are counte
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from eaglenest.errors import EaglenestError
-from eaglenest.names import load_yaml
 
 
 @dataclass
@@ -26,37 +24,22 @@ class CacheCheck:
     corrupt: list[str] = field(default_factory=list)  # "<output>[/<file>]: object <path> has md5 <x>"
 
 
-def tracked_outputs(repo: Path) -> list[tuple[str, str]]:
-    """(path, md5) of every output in dvc.lock and every `.dvc` file under `repo` (DVC 3 hashes only)."""
-    repo = Path(repo)
-    found = []
-    lock = repo / "dvc.lock"
-    if lock.is_file():
-        for stage in (load_yaml(lock) or {}).get("stages", {}).values():
-            found += [(o["path"], o["md5"]) for o in stage.get("outs", []) if o.get("hash") == "md5" and "md5" in o]
-    for dvcfile in _dvc_files(repo):
-        for o in (load_yaml(dvcfile) or {}).get("outs", []):
-            if o.get("hash") == "md5" and "md5" in o:
-                found.append((str(dvcfile.parent.relative_to(repo) / o["path"]), o["md5"]))
-    return found
-
-
-def _dvc_files(repo: Path):
-    """`*.dvc` files, outside hidden folders (.dvc/, .git/, virtual environments)."""
-    for folder, dirs, files in os.walk(repo):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        yield from (Path(folder) / f for f in files if f.endswith(".dvc") and not f.startswith("."))
-
-
-def cache_root(repo: Path) -> Path:
-    """Where DVC 3 keeps md5-named objects for this repository (its `cache.dir`, wherever set)."""
+def tracked_outputs(repo: Path) -> tuple[Path, list[tuple[str, str]]]:
+    """(the cache's md5 folder, [(output path, md5)]) for every cached output of the repository's
+    pipeline and `.dvc` files, as DVC's own index reads them (DVC 3 md5 hashes; `cache: false`
+    outputs have no object)."""
     from dvc.repo import Repo
 
     try:
         with Repo(str(repo)) as r:
-            return Path(r.cache.local.path)
-    except Exception as e:  # not a DVC repository, a broken config: DVC's own words, one line
-        raise EaglenestError(f"{repo}: cannot open the DVC repository ({' '.join(str(e).split())})") from None
+            outs = [
+                (str(o.def_path), o.hash_info.value)
+                for o in r.index.outs
+                if o.use_cache and o.hash_info and o.hash_info.name == "md5" and o.hash_info.value
+            ]
+            return Path(r.cache.local.path), outs
+    except Exception as e:  # not a DVC repository, a broken dvc.yaml or lock: DVC's own words, one line
+        raise EaglenestError(f"{repo}: cannot read the DVC repository ({' '.join(str(e).split())})") from None
 
 
 def md5_file(path: Path, bar=None) -> str:
@@ -71,10 +54,10 @@ def md5_file(path: Path, bar=None) -> str:
 
 def check_cache(repo: Path, progress: bool = True) -> CacheCheck:
     """Every cache object of the workspace's outputs re-hashed; corrupt ones named."""
-    root = cache_root(repo)
+    root, outs = tracked_outputs(repo)
     result = CacheCheck()
     objects: list[tuple[str, str]] = []  # (what it is, md5)
-    for out, md5 in tracked_outputs(repo):
+    for out, md5 in outs:
         objects.append((out, md5))
         if md5.endswith(".dir"):
             obj = root / md5[:2] / md5[2:]

@@ -1,8 +1,10 @@
 """Where the stages read and write, relative to the repository root: the one home of the data layout
 that dvc.yaml declares as deps and outs (tests/test_paths.py checks that the two agree)."""
 
+import argparse
 from pathlib import Path
 
+from eaglenest.errors import EaglenestError
 from eaglenest.names import plain_name
 
 TARGET = Path("data/target")
@@ -13,6 +15,14 @@ TOKENIZED = Path("data/tokenized")
 TEACHER = Path("data/teacher")
 TRAIN_CKPT = Path(".eaglenest/train")  # train's checkpoints: outside DVC's outputs, they outlive a failed run
 DIGESTS = Path(".eaglenest/digests.json")  # the target's file digests by stat (not a DVC output: a cache)
+
+
+def part_name(name: str) -> str:
+    """argparse's type for a stage's part argument: a plain name, checked before any work."""
+    try:
+        return plain_name(name, "part")
+    except EaglenestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def part(name: str) -> Path:

@@ -25,7 +25,7 @@ log = logging.getLogger("stages.sharegpt")
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part")
+    ap.add_argument("part", type=paths.part_name, help="the part (a plain name: data/parts/<part>.jsonl)")
     ap.add_argument("--start", type=int, required=True, help="first usable conversation")
     ap.add_argument("--count", type=int, required=True, help="number of conversations")
     ap.add_argument(

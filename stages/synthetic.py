@@ -35,7 +35,7 @@ log = logging.getLogger("stages.synthetic")
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part")
+    ap.add_argument("part", type=paths.part_name, help="the part (a plain name: data/parts/<part>.jsonl)")
     ap.add_argument("--count", type=int, required=True, help="user prompts to keep")
     ap.add_argument("--seed", type=int, required=True, help="seeds the sampling (rounds use seed-derived seeds)")
     ap.add_argument("--temperature", type=float, required=True, help="sampling temperature, > 0")

@@ -28,7 +28,7 @@ log = logging.getLogger("stages.teacher")
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part")
+    ap.add_argument("part", type=paths.part_name, help="the part (a plain name: data/parts/<part>.jsonl)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()

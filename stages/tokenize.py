@@ -24,7 +24,7 @@ log = logging.getLogger("stages.tokenize")
 @exit_on_error
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part")
+    ap.add_argument("part", type=paths.part_name, help="the part (a plain name: data/parts/<part>.jsonl)")
     ap.add_argument("--input", help="conversations JSONL (default: data/generated/<part>.jsonl)")
     args = ap.parse_args(argv)
     p = _params.load("tokenize")

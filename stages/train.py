@@ -50,25 +50,7 @@ def main(argv=None) -> None:
             sys.exit(relaunch(n, "stages.train", sys.argv[1:] if argv is None else argv))
     trainer = Trainer(paths.PACKED, paths.HIDDEN, load_target(paths.TARGET), cfg, Path(args.ckpt_dir))
     rank0 = trainer.rank == 0
-    live = None
-    if rank0 and args.stop_after_steps is None:
-        from dvclive import Live
-
-        live = Live("dvclive", dvcyaml=None, save_dvc_exp=False, report=None)
-
-    def on_epoch(s):
-        if live is None:
-            return
-        for split in ("train", "val"):
-            live.log_metric(f"{split}/loss", s[split]["loss"])
-            live.log_metric(f"{split}/simulated_tau", s[split]["simulated_tau"])
-            for k, a in enumerate(s[split]["acc_per_step"]):
-                live.log_metric(f"{split}/acc_step{k}", a)
-        live.next_step()
-
-    result = trainer.fit(on_epoch=on_epoch, stop_after_steps=args.stop_after_steps)
-    if live is not None:
-        live.end()
+    result = trainer.fit(stop_after_steps=args.stop_after_steps)
     if not rank0:
         return
     # per-step loss curve, for comparing runs (resume, world sizes)
@@ -76,9 +58,11 @@ def main(argv=None) -> None:
     if args.stop_after_steps is None:
         with replaced_dir(Path(args.out)) as tmp:
             trainer.model.save_pretrained(tmp)
+        log_epochs(result["epochs"], Path("dvclive"))
         last = result["epochs"][-1]
-        made = made_on(str(trainer.device), trainer.compute_dtype)
-        write_json(Path(args.metrics), {"val_tau": last["val"]["simulated_tau"], **made})  # loss: the report
+        made = made_on(str(trainer.device))
+        # loss and the compute dtype: the report (the metrics' columns must fit a terminal)
+        write_json(Path(args.metrics), {"val_tau": last["val"]["simulated_tau"], **made})
         write_json(
             Path(args.report),
             {
@@ -91,9 +75,28 @@ def main(argv=None) -> None:
                 "val_simulated_tau": last["val"]["simulated_tau"],
                 "train_simulated_tau": last["train"]["simulated_tau"],
                 **made,
+                "dtype": trainer.compute_dtype,
             },
         )
         write_json(Path(args.timing), {"tokens_per_s": result["tokens_per_s"], "wall_s": result.get("wall_s")})
+
+
+def log_epochs(epochs: list[dict], out: Path) -> None:
+    """DVCLive's metrics and plots of every epoch, written whole once training ends: a resumed run
+    logs the epochs its checkpoint had finished too, so the output is the same however the run went
+    (and, written in a new directory, never through DVC's links into its cache)."""
+    from dvclive import Live
+
+    with replaced_dir(out) as tmp:
+        live = Live(str(tmp), dvcyaml=None, save_dvc_exp=False, report=None)
+        for s in epochs:
+            for split in ("train", "val"):
+                live.log_metric(f"{split}/loss", s[split]["loss"])
+                live.log_metric(f"{split}/simulated_tau", s[split]["simulated_tau"])
+                for k, a in enumerate(s[split]["acc_per_step"]):
+                    live.log_metric(f"{split}/acc_step{k}", a)
+            live.next_step()
+        live.end()
 
 
 if __name__ == "__main__":

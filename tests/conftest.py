@@ -125,7 +125,8 @@ def base_params(**over) -> dict:
     repo = yaml.safe_load((REPO / "params.yaml").read_text())
     p = {k: repo[k] for k in ("tokenize", "extract", "store", "validate")}
     p["tokenize"].update(max_seq_len=128, on_error="fail")
-    p["extract"].update(backend="hf", taps="auto", dtype="bfloat16", device="cpu", batch_tokens=1024)
+    # dtype auto, as params.yaml: float32 on a CPU that emulates bf16, where bf16 would take ~60x longer
+    p["extract"].update(backend="hf", taps="auto", dtype="auto", device="cpu", batch_tokens=1024)
     p["store"].update(states="bf16", codec="zstd", level=1, chunk_mb=0.05, shard_mb=0.5)
     p["validate"] = gate(4)
     for k, v in over.items():
@@ -297,6 +298,16 @@ def make_clone(root: Path, params: dict) -> Path:
     write_params(root, params)
     sh("git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm init", root)
     return root
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, smollm2):
+    """A fresh clone, `dvc repro` run once and committed: (path, the repro's stdout). Read only
+    (copy it to change anything: test_pipeline's `clone`)."""
+    repo = make_clone(tmp_path_factory.mktemp("clone") / "repo", tiny_params())
+    p = sh("dvc repro", repo)
+    sh("git add -A && git -c user.email=t@t -c user.name=t commit -qm run1", repo)
+    return repo, p.stdout
 
 
 def commit(repo: Path, msg: str) -> None:

@@ -146,3 +146,98 @@ def test_any_line_json_cannot_read_is_file_and_line(tmp_path, case):
         read_jsonl(f)
     convs, report = read_jsonl(f, on_error="skip")
     assert [c["id"] for c in convs] == ["a", "b"] and sum(report.skipped.values()) == 1 and report.lines == 3
+
+
+def stage(args, cwd):
+    return run_py(["-m", *args], cwd=cwd, check=False)
+
+
+def test_a_params_file_that_sets_a_key_twice_is_refused_naming_the_key_and_lines(tmp_path):
+    """YAML loaders keep a duplicated key's last value silently (DVC refuses the file): every
+    reader of params.yaml and of a profile refuses it, naming the key and both lines."""
+    text = (REPO / "params.yaml").read_text().replace("  lr: 0.004\n", "  lr: 0.004\n  lr: 0.04\n", 1)
+    (tmp_path / "params.yaml").write_text(text)
+    line = text.splitlines().index("  lr: 0.04") + 1
+    for args in (["stages.train"], ["stages.evaluate"], ["eaglenest.cli", "plan"]):
+        assert_fails_naming(
+            stage(args, tmp_path), f"params.yaml:{line}: key `lr` is set twice (first on line {line - 1})"
+        )
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "twice.yaml").write_text("train:\n  epochs: 3\n  lr: 0.1\n  epochs: 5\n")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    p = cli(["profile", "twice", "--dir", "profiles"], tmp_path)
+    assert_fails_naming(p, "twice.yaml:4: key `epochs` is set twice (first on line 2)")
+    assert (tmp_path / "params.yaml").read_text() == (REPO / "params.yaml").read_text()  # untouched
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "x..y", "", "/abs"])
+def test_a_name_that_becomes_a_path_is_a_plain_name(tmp_path, name):
+    """Parts (listed, declared as ShareGPT or synthetic parts, or given to a stage), and profiles:
+    a name that is not a plain file name is refused before it is joined to a path."""
+    import yaml
+
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    for where in ("parts", "sharegpt", "synthetic"):
+        params = json.loads(json.dumps(base))
+        if where == "parts":
+            params["data"]["parts"] = ["sharegpt-000", name]
+        elif where == "sharegpt":
+            params["data"]["sharegpt"][name] = {"start": 0, "count": 1, "turns": 0}
+        else:
+            params["data"]["synthetic"][name] = {"count": 1, "seed": 0, "temperature": 1.0}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+        assert_fails_naming(stage(["stages.pack"], tmp_path), "plain name")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    if name:  # argparse takes "" as a part too
+        for s in ("stages.tokenize", "stages.extract", "stages.teacher", "stages.generate"):
+            assert_fails_naming(stage([s, name], tmp_path), f"part {name!r} is not a plain name")
+        (tmp_path / "profiles").mkdir(exist_ok=True)
+        shutil.copy(REPO / "profiles" / "gpu.yaml", tmp_path / "profiles")
+        assert_fails_naming(cli(["profile", name, "--dir", "profiles"], tmp_path), "is not a plain name")
+
+
+def test_weights_that_cannot_be_what_their_header_says_fail_the_target_stage(tiny_target, tmp_path):
+    """A truncated or padded safetensors file, or one whose header describes other tensors, fails at
+    the target stage naming the file, before it is fingerprinted; nothing is written."""
+    src = tiny_target.model_dir
+    data = (src / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"] = "F32" if header[name]["dtype"] != "F32" else "F16"  # its bytes no longer fit
+    fields = json.dumps(header).encode()
+    bad_header = len(fields).to_bytes(8, "little") + fields + data[8 + n :]
+    for case, content in (("truncated", data[: len(data) // 3]), ("padded", data + b"\0" * 64),
+                          ("header", bad_header), ("tiny", data[:5])):  # fmt: skip
+        model = tmp_path / case / "model"
+        shutil.copytree(src, model)
+        (model / "model.safetensors").write_bytes(content)
+        ws = tmp_path / case
+        (ws / "params.yaml").write_text(f"target: {{path: {model}, dtype: bfloat16}}\n")
+        p = stage(["stages.target"], ws)
+        assert_fails_naming(p, f"{model / 'model.safetensors'}: ")
+        assert not (ws / "data" / "target" / "target.json").exists()
+
+
+def test_a_target_whose_directory_has_gone_is_named_not_looked_up_on_a_hub(tiny_target, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target.model_dir, model)
+    (tmp_path / "params.yaml").write_text(f"target: {{path: {model}, dtype: bfloat16}}\n")
+    assert stage(["stages.target"], tmp_path).returncode == 0
+    shutil.rmtree(model)
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    for s in (["stages.evaluate"], ["stages.extract", "a"]):
+        p = stage(s, tmp_path)
+        assert_fails_naming(p, f"the target's directory {model} is gone")
+        assert "repo id" not in (p.stdout + p.stderr).lower()
+
+
+@pytest.mark.parametrize("missing", ["index.parquet", "checksums.json", "zarr.json", "aux/zarr.json"])
+def test_every_missing_file_of_a_store_is_named_as_missing(store, tmp_path, missing):
+    copy = tmp_path / store.name
+    shutil.copytree(store, copy)
+    (copy / missing).unlink()
+    if missing == "zarr.json":  # not a store at all, for every command
+        assert_fails_naming(cli(["info", str(copy)], tmp_path), f"{copy / missing}: missing")
+    else:  # verify names the bad store and goes on to the next: exit 1
+        assert_fails_naming(cli(["verify", "-q", str(copy)], tmp_path), f"{copy / missing}: missing", code=1)

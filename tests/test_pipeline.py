@@ -14,15 +14,6 @@ from .conftest import make_clone, sh, tiny_params
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, smollm2):
-    """A fresh clone, `dvc repro` run once and committed: (path, the repro's stdout). Read only."""
-    repo = make_clone(tmp_path_factory.mktemp("clone") / "repo", tiny_params())
-    p = sh("dvc repro", repo)
-    sh("git add -A && git -c user.email=t@t -c user.name=t commit -qm run1", repo)
-    return repo, p.stdout
-
-
 @pytest.fixture
 def clone(built, tmp_path):
     """A private copy of the built clone (workspace, DVC cache, git): what one test edits, no other sees."""
@@ -107,6 +98,32 @@ def test_moe_targets_run_to_an_evaluated_drafter(arch, reference, smollm2, tmp_p
     assert ev["questions"] == 2 and ev["mismatches"] == {"2": 0} and ev["tau"]["2"] >= 1.0
     config = json.loads((repo / "data/drafter/config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["hidden_size"] == 64
+
+
+def test_every_stage_run_by_hand_leaves_the_dvc_cache_intact(clone):
+    """Each stage run by hand, as its dvc.lock command (`python -m stages.<stage> ...`, as root where
+    the suite runs as root), in a clone whose outputs are hard links into the DVC cache: no write
+    goes through a link, so every cache object still hashes to its name (`eaglenest verify --cache`),
+    and `dvc status` is clean (the same bytes came out)."""
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    sh("dvc checkout --relink -q", clone)  # the copy's outputs linked to its cache again, as DVC leaves them
+    assert (clone / "data/target/target.json").stat().st_nlink == 2  # linked: a write in place would show
+    for st in lock.values():
+        sh(st["cmd"], clone)
+    v = sh("eaglenest verify --cache -q", clone)
+    assert "BAD" not in v.stdout and v.stdout.startswith("OK") and "not in the cache" not in v.stdout, v.stdout
+    assert sh("dvc status", clone).stdout.strip().endswith("Data and pipelines are up to date.")
+
+
+def test_verify_cache_names_an_object_rewritten_through_its_link(clone):
+    """What a stage writing in place would do: the cache object changes with the output (a `dvc
+    push` would send the bad bytes), and `eaglenest verify --cache` names the object and fails."""
+    sh("dvc checkout --relink -q", clone)
+    pointer = clone / "data/target/target.json"
+    with open(pointer, "a") as f:  # through the hard link, on purpose
+        f.write(" ")
+    v = sh("eaglenest verify --cache -q", clone, check=False)
+    assert v.returncode == 1 and "BAD     data/target/target.json: cache object" in v.stdout, v.stdout
 
 
 def test_metrics_diff_shows_a_changed_training_param(clone):

@@ -171,7 +171,7 @@ RESTORE = "restore the store (`dvc checkout`) or extract the part again"
 def check_checksums(path: Path) -> None:
     path = Path(path)
     if not (path / CHECKSUMS).is_file():
-        raise EaglenestError(f"{path}: no {CHECKSUMS}; the store was never committed (half-written?)")
+        raise EaglenestError(f"{path}/{CHECKSUMS}: missing: the store was never committed (half-written?); {RESTORE}")
     try:
         expected = json.loads((path / CHECKSUMS).read_text())
     except ValueError as e:
@@ -206,7 +206,7 @@ class HiddenStore:
         self.part = self.attrs.get("part", self.path.name)
         index = self.path / INDEX
         if not index.is_file():
-            raise EaglenestError(f"{self.path}: no {INDEX}; the store was never committed (half-written?)")
+            raise EaglenestError(f"{index}: missing: the store was never committed (half-written?); {RESTORE}")
         self.index = pq.read_table(index).to_pylist()
         self.states = states_of(self.attrs)
         self.arrays = {n: self.group[n] for n in array_names(self.states)}

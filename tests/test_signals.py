@@ -1,0 +1,114 @@
+"""Signals (docs/design.md: Failure rules): SIGTERM (a job time limit, `kill`, DVC), SIGINT (Ctrl-C)
+or SIGHUP (a closed terminal) to a stage ends it and everything it started -- pool workers, writer
+and loader processes -- within 10 s, with one line saying so and no traceback; a rerun resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from eaglenest.children import descendants
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def tagged(tag: str) -> list[int]:
+    """Every process whose environment carries `tag`: the stage and all it started, sessions of
+    their own included."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if tag.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def has_children(n: int):
+    return lambda proc, out, age: len(descendants(proc.pid)) >= n
+
+
+def after(seconds: float, text: str = ""):
+    return lambda proc, out, age: text in out and age >= seconds
+
+
+# stage command, params that make it long enough to interrupt (and start its processes), when to signal
+CASES = {
+    "target": ("stages.target", {}, after(3, "converting")),
+    "generate": ("stages.generate tiny-a", {"generate": {"enabled": True, "max_new_tokens": 200}}, after(8)),
+    "extract": ("stages.extract tiny-a", {"extract": {"writers": 2}}, has_children(2)),
+    "teacher": ("stages.teacher tiny-a", {"teacher": {"workers": 2, "unit_mb": 0.01}}, has_children(2)),
+    "train": ("stages.train", {"train": {"epochs": 500}}, after(2, "training batches read")),
+    "evaluate": ("stages.evaluate", {"evaluate": {"questions": 80, "max_new_tokens": 64}}, after(10)),
+}
+SIGNALS = {
+    "target": signal.SIGTERM,
+    "generate": signal.SIGHUP,
+    "extract": signal.SIGTERM,
+    "teacher": signal.SIGINT,
+    "train": signal.SIGHUP,
+    "evaluate": signal.SIGTERM,
+}
+
+
+@pytest.fixture(scope="module")
+def workspace(built, tmp_path_factory):
+    import shutil
+
+    dst = tmp_path_factory.mktemp("signals") / "repo"
+    shutil.copytree(built[0], dst, symlinks=True)
+    return dst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_signal_ends_the_stage_and_everything_it_started(workspace, name):
+    module_args, over, ready = CASES[name]
+    sig = SIGNALS[name]
+    own = (workspace / "params.yaml").read_text()
+    params = yaml.safe_load(own)
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, keys in over.items():
+        params[section] = {**base[section], **params.get(section, {}), **keys}
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    tag = f"EAGLENEST_SIGNAL_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", tag.split("=")[0]: tag.split("=")[1]}
+    log = workspace / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", *module_args.split()], cwd=workspace, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        t0 = time.time()
+        while not ready(proc, log.read_text(errors="replace"), time.time() - t0):
+            assert proc.poll() is None, f"{name} ended before it could be signalled:\n{log.read_text()[-3000:]}"
+            assert time.time() - t0 < 300, f"{name} never became ready:\n{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        started = len(descendants(proc.pid))
+        proc.send_signal(sig)
+        t_sig = time.time()
+        while tagged(tag) and time.time() - t_sig < 10:
+            time.sleep(0.1)
+        left = tagged(tag)  # a zombie has no environment: the stage itself counts once it has ended
+        try:
+            code = proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text(errors="replace")
+    assert not left, f"{name}: {len(left)} process(es) still running 10 s after {sig.name}:\n{text[-2000:]}"
+    assert code is not None and code != 0, (name, code)
+    assert "Traceback" not in text and "interrupted" in text, text[-3000:]
+    if name in ("extract", "teacher"):
+        assert started >= 2  # its writer or pool processes were running when the signal came
+    (workspace / "params.yaml").write_text(own)  # the next case starts from the clone's own params
