@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -66,12 +65,6 @@ def installed_version(python: Path, package: str, make_target: str) -> str:
             f"`make {make_target}` builds the server environment"
         )
     return r.stdout.strip()
-
-
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit in a command that starts servers: its `with` blocks then stop
-    them (each runs in a session of its own, which a signal to the command's group never reaches)."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class ServerProcess:

@@ -22,7 +22,6 @@ from eaglenest.evaluate import mode_key, mtbench_prompts
 from eaglenest.serve_check import serve_check
 from eaglenest.serve_sglang import SGLANG_PYTHON, SGLang
 from eaglenest.serve_vllm import VLLM, VLLM_PYTHON
-from eaglenest.server_process import exit_on_sigterm
 from eaglenest.target import load_target
 
 from . import _params
@@ -63,7 +62,6 @@ def main(argv=None) -> None:
     out = a.out or paths.report(f"serve_{a.engine}" + (f"_{mode_key(mode)}" if a.tree else ""))
     if not (a.drafter / "config.json").is_file():
         raise EaglenestError(f"{a.drafter}: no exported drafter (config.json); run `dvc repro train` first")
-    exit_on_sigterm()
     metrics, per_q = serve_check(engine, load_target(a.target), a.drafter, mtbench_prompts(a.questions), mode,
                                  a.max_new_tokens)  # fmt: skip
     with replaced_file(out) as tmp:

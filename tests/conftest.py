@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 
 from eaglenest.data import chat
+from eaglenest.made_on import compute_dtype
 from eaglenest.target import fingerprint, load_target, materialize
 
 REPO = Path(__file__).resolve().parents[1]
+# what the stages compute in here (`dtype: auto`): bf16 on a CPU with bf16 units, float32 on one that
+# would emulate bf16 ~60x slower; tests of the real target's engines use it as a user's run would
+CPU_DTYPE = compute_dtype("auto")
 CACHE = REPO / ".eaglenest" / "test-cache"
 # the tests' own DVC projects have no `core.analytics false`: with no internet, each DVC command's
 # analytics report (a file in /tmp) is never sent and never removed

@@ -76,16 +76,24 @@ def test_a_server_that_never_starts_leaves_nothing(tmp_path):
     assert not group_alive(mute.proc.pid)
 
 
-# a command that starts a server and then waits; `exit_on_sigterm` makes its `with` block stop it
+# a command that starts a server and then waits; `exit_on_error` turns SIGTERM into an exception, so
+# its `with` block stops the server (which runs in a session of its own, beyond the signal's reach)
 COMMAND = r"""
 import sys, time
 from pathlib import Path
-from eaglenest.server_process import ServerProcess, exit_on_sigterm
-exit_on_sigterm()
-port, server, log = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-with ServerProcess("toy", [sys.executable, "-c", server, str(port)], port, "/", log) as srv:
-    print(srv.proc.pid, srv.tmp, flush=True)
-    time.sleep(600)
+from eaglenest.errors import exit_on_error
+from eaglenest.server_process import ServerProcess
+
+
+@exit_on_error
+def main():
+    port, server, log = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    with ServerProcess("toy", [sys.executable, "-c", server, str(port)], port, "/", log) as srv:
+        print(srv.proc.pid, srv.tmp, flush=True)
+        time.sleep(600)
+
+
+main()
 """
 
 

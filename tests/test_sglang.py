@@ -27,7 +27,17 @@ from eaglenest.taps import resolve_taps
 from sglang_patch import server_env
 from sglang_patch.protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS
 
-from .conftest import REPO, assert_stores_agree, cosine, make_clone, random_samples, sh, tiny_params, write_tokenized
+from .conftest import (
+    CPU_DTYPE,
+    REPO,
+    assert_stores_agree,
+    cosine,
+    make_clone,
+    random_samples,
+    sh,
+    tiny_params,
+    write_tokenized,
+)
 
 pytestmark = pytest.mark.slow
 SGPY = REPO / ".venv-sglang" / "bin" / "python"
@@ -35,7 +45,7 @@ GATE = {"min_cosine_mean": 0.995, "min_cosine_token": 0.98, "max_rel_err_mean": 
 
 
 def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
-    """A real server on SmolLM2 (bf16, CPU). raw=True bypasses the launcher (plain sglang.launch_server
+    """A real server on SmolLM2 (CPU_DTYPE, CPU). raw=True bypasses the launcher (plain sglang.launch_server
     with the capture plugin switched on by its environment), so its flags are not enforced."""
     cap = tmp / "capture"
     cap.mkdir(mode=0o700)
@@ -43,7 +53,7 @@ def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
     srv = LaunchedServer(
         SGPY,
         smollm2.model_dir,
-        dtype="bfloat16",
+        dtype=CPU_DTYPE,
         taps=taps,
         capture_dir=cap,
         device="cpu",
@@ -59,7 +69,7 @@ def start(smollm2, tmp: Path, extra=(), raw=False, taps=None) -> LaunchedServer:
             "--model-path",
             str(smollm2.model_dir),
             "--dtype",
-            "bfloat16",
+            CPU_DTYPE,
             "--port",
             str(srv.port),
             "--host",
@@ -99,7 +109,7 @@ def test_server_port_taken_fails_fast_and_ports_avoid_the_ephemeral_range(smollm
         srv = LaunchedServer(
             SGPY,
             smollm2.model_dir,
-            dtype="bfloat16",
+            dtype=CPU_DTYPE,
             taps=resolve_taps("auto", smollm2.num_layers),
             capture_dir=tmp_path / "capture",
             device="cpu",
@@ -125,7 +135,7 @@ def server(smollm2, tmp_path_factory):
 def client(smollm2, srv, taps=None, **kw) -> SGLangBackend:
     taps = taps or resolve_taps("auto", smollm2.num_layers)
     return SGLangBackend(
-        smollm2, taps, dtype="bfloat16", device="cpu", server_url=srv.url, capture_dir=str(srv.capture_dir), **kw
+        smollm2, taps, dtype=CPU_DTYPE, device="cpu", server_url=srv.url, capture_dir=str(srv.capture_dir), **kw
     )
 
 
@@ -257,14 +267,15 @@ def test_parity_with_hf_store_and_gate(server, smollm2, tmp_path):
     tok = write_tokenized(tmp_path / "tok.parquet", seqs)
     taps = resolve_taps("auto", smollm2.num_layers)
     stores = {}
-    for name, backend in (("sglang", client(smollm2, server)), ("hf", HFBackend(smollm2, taps, device="cpu"))):
+    hf_backend = HFBackend(smollm2, taps, dtype=CPU_DTYPE, device="cpu")
+    for name, backend in (("sglang", client(smollm2, server)), ("hf", hf_backend)):
         m = extract_part(
             part="p",
             tokenized=tok,
             target=smollm2,
             backend=backend,
             taps=taps,
-            dtype="bfloat16",
+            dtype=CPU_DTYPE,
             revision=0,
             layout_cfg=dict(chunk_mb=0.05, shard_mb=1, codec="zstd", level=1),
             validate_cfg={"samples": 4, **GATE},
@@ -287,7 +298,7 @@ def test_32_concurrent_requests_each_match_their_own(server, smollm2):
     seqs = random_samples(32, 20000, 4, 400, seed=5)
     assert len({len(s) for s in seqs}) > 20
     got = client(smollm2, server, concurrency=32).extract(seqs)
-    hf = HFBackend(smollm2, resolve_taps("auto", smollm2.num_layers), device="cpu")
+    hf = HFBackend(smollm2, resolve_taps("auto", smollm2.num_layers), dtype=CPU_DTYPE, device="cpu")
     for i, (seq, (aux, final)) in enumerate(zip(seqs, got)):
         ref_aux, ref_final = hf.extract([seq])[0]
         assert aux.shape == ref_aux.shape
@@ -331,7 +342,7 @@ def test_custom_taps_follow_sglang_id_rule(smollm2, tmp_path):
     try:
         seqs = random_samples(3, 20000, 20, 120, seed=4)
         got = client(smollm2, srv, taps=taps).extract(seqs)
-        hf = HFBackend(smollm2, taps, device="cpu").extract(seqs)
+        hf = HFBackend(smollm2, taps, dtype=CPU_DTYPE, device="cpu").extract(seqs)
         for (a, f), (ra, rf) in zip(got, hf):
             assert cosine(a, ra).mean() > 0.999 and cosine(f, rf).mean() > 0.999
         with pytest.raises(SampleFailed, match="server captures taps"):

@@ -2,6 +2,7 @@
 or SIGHUP (a closed terminal) to a stage ends it and everything it started -- pool workers, writer
 and loader processes -- within 10 s, with one line saying so and no traceback; a rerun resumes."""
 
+import json
 import os
 import signal
 import subprocess
@@ -44,7 +45,9 @@ def after(seconds: float, text: str = ""):
 # stage command, params that make it long enough to interrupt (and start its processes), when to signal
 CASES = {
     "target": ("stages.target", {}, after(3, "converting")),
+    "synthetic": ("stages.synthetic synth --count 64 --seed 0 --temperature 1.0", {}, after(8)),
     "generate": ("stages.generate tiny-a", {"generate": {"enabled": True, "max_new_tokens": 200}}, after(8)),
+    "tokenize": ("stages.tokenize big", {"tokenize": {"workers": 2}}, has_children(2)),
     "extract": ("stages.extract tiny-a", {"extract": {"writers": 2}}, has_children(2)),
     "teacher": ("stages.teacher tiny-a", {"teacher": {"workers": 2, "unit_mb": 0.01}}, has_children(2)),
     "train": ("stages.train", {"train": {"epochs": 500}}, after(2, "training batches read")),
@@ -52,7 +55,9 @@ CASES = {
 }
 SIGNALS = {
     "target": signal.SIGTERM,
+    "synthetic": signal.SIGINT,
     "generate": signal.SIGHUP,
+    "tokenize": signal.SIGTERM,
     "extract": signal.SIGTERM,
     "teacher": signal.SIGINT,
     "train": signal.SIGHUP,
@@ -66,6 +71,10 @@ def workspace(built, tmp_path_factory):
 
     dst = tmp_path_factory.mktemp("signals") / "repo"
     shutil.copytree(built[0], dst, symlinks=True)
+    # a part long enough to tokenize that its worker processes are caught at work
+    lines = (dst / "data/generated/tiny-a.jsonl").read_text().splitlines()
+    big = [json.dumps({**json.loads(x), "id": f"{i}"}) for i, x in enumerate(lines * 2000)]
+    (dst / "data/generated/big.jsonl").write_text("\n".join(big) + "\n")
     return dst
 
 
@@ -109,6 +118,6 @@ def test_a_signal_ends_the_stage_and_everything_it_started(workspace, name):
     assert not left, f"{name}: {len(left)} process(es) still running 10 s after {sig.name}:\n{text[-2000:]}"
     assert code is not None and code != 0, (name, code)
     assert "Traceback" not in text and "interrupted" in text, text[-3000:]
-    if name in ("extract", "teacher"):
+    if name in ("extract", "teacher", "tokenize"):
         assert started >= 2  # its writer or pool processes were running when the signal came
     (workspace / "params.yaml").write_text(own)  # the next case starts from the clone's own params
