@@ -6,17 +6,17 @@ float32 and bf16 matmul rate beside each compute-bound stage's achieved rate, an
     python -m bench.cpu_kinds [--isa avx2] [--workdir /tmp/cpu-kind] [--out bench/results/cpu_kinds.json]
 
 Each run is one entry of the JSON, keyed by the CPU kind torch reports (an ISA-limited run says so);
-bench/RESULTS.md ("CPU kinds") cites it."""
+bench/RESULTS.md ("CPU default on each CPU kind") cites it."""
 
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
-
-from bench.cpu_default import timed_make_repro
 
 REPO = Path(__file__).resolve().parents[1]
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -36,6 +36,29 @@ for dt in (torch.float32, torch.bfloat16):
     rates[str(dt).split('.')[1]] = round(2 * 512 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9, 1)
 print(json.dumps({"cpu": cpu_kind(), "capability": torch.backends.cpu.get_cpu_capability(), "gflops_1core": rates}))
 """
+
+
+def timed_make_repro(work: Path, log: Path) -> tuple[float, dict[str, float]]:
+    """(wall seconds, seconds per stage and for the venv): each stage from its "Running stage" line
+    to the next one's (or the end)."""
+    t0 = time.time()
+    marks = [("venv", t0)]
+    with open(log, "w") as f:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it happens: the stage marks are its times
+        p = subprocess.Popen(
+            ["make", "repro"], cwd=work, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for line in p.stdout:
+            f.write(line)
+            m = re.search(r"Running stage '([^']+)'", line)
+            if m:
+                marks.append((m.group(1), time.time()))
+        rc = p.wait()
+    end = time.time()
+    if rc != 0:
+        sys.exit(f"make repro failed ({rc}); its output: {log}")
+    times = {name: round(b - a, 1) for (name, a), (_, b) in zip(marks, [*marks[1:], ("end", end)])}
+    return round(end - t0, 1), times
 
 
 def decoder_params(model_dir: Path) -> int:

@@ -14,13 +14,17 @@ from eaglenest.errors import EaglenestError
 PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+RULE = "letters, digits, '.', '_' and '-' (it becomes a file name; no '/', '..' or leading dot)"
+
+
+def is_plain(name) -> bool:
+    return isinstance(name, str) and PLAIN.fullmatch(name) is not None and ".." not in name
+
+
 def plain_name(name, what: str) -> str:
-    """`name` if it is a plain file name (letters, digits, `.`, `_`, `-`; no `/`, no leading dot)."""
-    if not isinstance(name, str) or not PLAIN.fullmatch(name) or ".." in name:
-        raise EaglenestError(
-            f"{what} {name!r} is not a plain name: use letters, digits, '.', '_' and '-' "
-            f"(it becomes a file name; no '/', '..' or leading dot)"
-        )
+    """`name` if it is a plain file name, else an error naming it and `what` it is."""
+    if not is_plain(name):
+        raise EaglenestError(f"{what} {name!r} is not a plain name: use {RULE}")
     return name
 
 

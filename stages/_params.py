@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from eaglenest.errors import EaglenestError
-from eaglenest.names import PLAIN, load_yaml
+from eaglenest.names import RULE, is_plain, load_yaml
 
 PARAMS = Path("params.yaml")
 
@@ -56,9 +56,8 @@ def _str(v):
 
 
 def _name(v):
-    """A part's name: it becomes file names under data/ (eaglenest.names.PLAIN)."""
-    ok = isinstance(v, str) and PLAIN.fullmatch(v) and ".." not in v
-    return None if ok else "a plain name (letters, digits, '.', '_', '-'; no '/', '..' or leading dot)"
+    """A part's name: it becomes file names under data/."""
+    return None if is_plain(v) else f"a plain name: {RULE}"
 
 
 def _bool(v):

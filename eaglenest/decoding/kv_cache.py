@@ -27,9 +27,9 @@ class GrowingLayer(DynamicLayer):
             or (n and self.keys.data_ptr() != buf.data_ptr())
         ):
             cap = max(64, 2 * (n + m), self.reserve if n == 0 else 0)
-            shape = (*key_states.shape[:-2], cap, key_states.shape[-1])
-            kb = key_states.new_empty(shape)
-            vb = value_states.new_empty(shape)
+            # keys and values may differ in width (MLA: a value head narrower than its key head)
+            kb = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
+            vb = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
             if n:
                 kb[..., :n, :] = self.keys
                 vb[..., :n, :] = self.values
