@@ -22,10 +22,15 @@ def _raise(signum, frame):
     raise Interrupted(signum)
 
 
-def raise_on_signals() -> None:
-    """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt)."""
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _raise)
+def raise_on_signals() -> dict:
+    """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt); returns the
+    handlers they had, for `restore`."""
+    return {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def restore(handlers: dict) -> None:
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
 def signal_name(e: KeyboardInterrupt) -> str:
@@ -68,11 +73,12 @@ def descendants(pid: int | None = None) -> list[int]:
     return out
 
 
-def end_descendants(grace_s: float = 3.0) -> list[int]:
-    """SIGTERM to every descendant still running, SIGKILL to those left after `grace_s`; returns
-    the pids that had to be ended. multiprocessing's resource tracker is left to end by itself: it
-    goes when this process does, after unlinking the shared memory a killed worker left."""
-    found = pids = [p for p in descendants() if _running(p) and not _is_resource_tracker(p)]
+def end_descendants(grace_s: float = 3.0, keep: set[int] = frozenset()) -> list[int]:
+    """SIGTERM to every descendant still running but those in `keep` (what ran before a command
+    started, when it runs inside another program), SIGKILL to those left after `grace_s`; returns the
+    pids that had to be ended. multiprocessing's resource tracker is left to end by itself: it goes
+    when this process does, after unlinking the shared memory a killed worker left."""
+    found = pids = [p for p in descendants() if p not in keep and _running(p) and not _is_resource_tracker(p)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in pids:
             try:

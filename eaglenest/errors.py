@@ -47,7 +47,7 @@ def exit_on_error(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         setup_logging()
-        children.raise_on_signals()
+        before, handlers = set(children.descendants()), children.raise_on_signals()
         try:
             return fn(*args, **kwargs)
         except EaglenestError as e:
@@ -59,8 +59,9 @@ def exit_on_error(fn):
             sys.exit(children.exit_code(e))
         finally:
             log_gpu_peak()
-            if left := children.end_descendants():
+            if left := children.end_descendants(keep=before):
                 log.warning("ended %d process(es) this command had started and left running", len(left))
+            children.restore(handlers)  # a main called inside another program leaves its handlers as they were
 
     return wrapper
 
