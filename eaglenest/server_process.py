@@ -92,8 +92,11 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s on %s (log %s): %s", self.name, self.url, self.log_path, " ".join(self.cmd))
         self.tmp = tempfile.mkdtemp(prefix="eaglenest-server-")  # short: AF_UNIX paths stop at 107 bytes
-        # torch's compile cache stays where it is by default, shared between launches
-        cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+        # torch's compile cache stays where it is by default, shared between launches; a process
+        # limited to another CPU ISA (ATEN_CPU_CAPABILITY) keeps its own (a server aborted with heap
+        # corruption after ISA-limited runs had filled the shared one, and ran with a fresh one)
+        isa = os.environ.get("ATEN_CPU_CAPABILITY")
+        cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}" + (f"-{isa}" if isa else ""))
         env = {"TORCHINDUCTOR_CACHE_DIR": cache, **self.env, "TMPDIR": self.tmp, "TMP": self.tmp, "TEMP": self.tmp}
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
