@@ -18,7 +18,7 @@
 # not queued twice, and `queue` waits for the ones still running. Results: $OUT/ablations.tar.gz.
 set -euo pipefail
 W=${WORKDIR:-$HOME/abl}
-OUTDIR=$HOME/ablation_results   # tarred into ${OUT:-bench/out}/ablations.tar.gz: a device call returns at most 8 files
+OUTDIR=$HOME/ablation_results   # tarred into ${OUT:-bench/out}/ablations.tar.gz: a bounded command returns at most 8 files
 G=(python3 -m bench.gpu_profile --workdir "$W")
 end=$((SECONDS + ${1:-560}))
 left() { echo $((end - SECONDS)); }

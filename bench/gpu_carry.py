@@ -5,7 +5,7 @@ zarr, gguf, ...), in chunks of --chunk-mb.
 
 Here (with internet):
     python -m bench.gpu_carry prepare            # -> .carry/1, .carry/2, ... each <= --chunk-mb
-Then one device call per chunk, back to back (the machine keeps ~/stash only while it is warm):
+Then one bounded command per chunk, back to back (the machine keeps ~/stash only while it is warm):
     python -m bench.gpu_carry stash .carry/N     # carry=[".carry/N"]: copies the chunk to ~/stash
 and, once every chunk is there:
     python -m bench.gpu_carry install            # reassembles, checks sha256, pip installs into

@@ -1,11 +1,11 @@
 """The synthetic-data curve on the GPU profile: tau at k = 3 and 7 with ShareGPT alone, with 1x, 2x and
 4x its conversations of synthetic ones added, and with synthetic ones alone at ShareGPT's count. Every
-point trains the same epochs (--epochs, fewer than the profile's 13, to fit the lent machines' time)
+point trains the same epochs (--epochs, fewer than the profile's 13, to fit a GPU host's job time limit)
 and evaluates chains only (k 3 and 7, one speed question, no gate). --points syn8x (+ 8x) goes beyond
-those five, by request only: its stores outgrow a lent one-GPU machine's disk (`plan` says by how much).
+those five, by request only: its stores outgrow a one-GPU host's disk (`plan` says by how much).
 
     python -m bench.gpu_curve plan [--epochs 3] [--points P,..] [--saved .carry/curve] [--machine-min 24]
-        the points not finished yet, each one's minutes, the lent machine(s) it falls on and its stores'
+        the points not finished yet, each one's minutes, the GPU host job(s) it falls on and its stores'
         GB against a machine's free disk, from the stage times of the finished point that trained on
         the most tokens (bench/results/gpu_curve/; before one, of the GPU profile's run; a stage
         restored there, of the next one that ran it) and what the saved run-cache already holds: a
@@ -23,7 +23,7 @@ those five, by request only: its stores outgrow a lent one-GPU machine's disk (`
         a detached run stopped as its budget would: the running stage interrupted (training saves a
         checkpoint first); returns once the run has exited
     python -m bench.gpu_curve save --out DIR
-        what a fresh machine should not redo, in files a device call brings back: the DVC run-cache
+        what a fresh machine should not redo, in files a bounded command brings back: the DVC run-cache
         entries of the synthetic, generate, tokenize and teacher stages with their outputs (chunks
         runcache.tgz.NNN + runcache.json, bench/runcache_carry.py), the finished points (points.tgz)
         and, where a point stopped inside training, its checkpoint (~260 MiB for the profile's drafter:
@@ -41,7 +41,7 @@ those five, by request only: its stores outgrow a lent one-GPU machine's disk (`
         <results>/gpu_curve/, the synthetic parts' filter counts from the saved run-cache into
         <results>/gpu_curve/synthetic/, and `synthetic_curve` of <results>/gpu_profile.json where there is one
 
-A lent machine is held ~30 minutes, so the curve takes several; between them the saved runs travel
+A GPU host job is limited to ~30 minutes, so the curve takes several; between them the saved runs travel
 through this machine (.carry/curve/, ignored by git: it lasts as long as this checkout, a session
 given a fresh checkout starts without it, and `plan` counts only what it holds): a DVC run-cache,
 restored as DVC restores any stage run, is what keeps a part's synthetic prompts and answers from
@@ -94,7 +94,7 @@ POINTS = {
     "syn2x": [*SHAREGPT, "synth-000", "synth-001"],
     "syn4x": [*SHAREGPT, "synth-000", "synth-001", "synth-002", "synth-003"],
     # beyond the issue's five, on request only: + 8x, projected to reach tau 2.8 at 13 epochs, outgrows a
-    # lent one-GPU machine's disk (`plan --points syn8x` gives its GB and minutes)
+    # one-GPU host's disk (`plan --points syn8x` gives its GB and minutes)
     "syn8x": [*SHAREGPT, *(f"synth-{i:03d}" for i in range(8))],
 }
 CURVE_POINTS = ["sharegpt", "syn1x", "synonly", "syn2x", "syn4x"]  # the curve `run` and `plan` take by default
@@ -107,7 +107,7 @@ CKPT_S = 90  # a run that goes on on the next machine: its checkpoint saved ther
 # the small per-part outputs of stages that read a store (a store is GBs: each machine extracts again;
 # teacher@<part> is restored where that extraction comes out byte for byte the same)
 SAVED_STAGES = tuple(f"python -m stages.{s} " for s in ("synthetic", "generate", "tokenize", "teacher"))
-CALL_BYTES = 60 * 2**20  # a device call brings back <= 64 MiB
+CALL_BYTES = 60 * 2**20  # a bounded command brings back <= 64 MiB
 CARRY_BYTES = 58 * 2**20  # and carries <= 64 MiB with the working tree (as bench.gpu_carry's chunks)
 STASH = Path.home() / "curve_in"
 
@@ -188,7 +188,7 @@ def rates(results: Path) -> dict:
         "fixed_s": w["target"] + w["pack"] + w["evaluate"] + 60,  # + a point's setup and DVC
         "part_tokens": {k: v["tokens"] for k, v in r["pack"]["parts"].items()},
         "store_b_tok": r["pack"]["store_bytes"] / r["tokenized_tokens"],  # the stores' bytes per token
-        "disk_free_gb": r["disk_after_stage"]["start"]["free_gb"],  # a lent machine's disk before the point
+        "disk_free_gb": r["disk_after_stage"]["start"]["free_gb"],  # a GPU host's disk before the point
     }
 
 
@@ -471,13 +471,13 @@ def main() -> None:
     ld = sub.add_parser("load")
     ld.add_argument("src", type=Path)
     c = sub.add_parser("collect")
-    c.add_argument("src", type=Path, help="a device call's returned files (save's --out)")
+    c.add_argument("src", type=Path, help="a bounded command's returned files (save's --out)")
     c.add_argument("--into", type=Path, default=gp.REPO / ".carry" / "curve")
     t = sub.add_parser("table")
     t.add_argument("src", type=Path)
     t.add_argument("--results", type=Path, default=gp.REPO / "bench" / "results")
     p.add_argument("--saved", type=Path, default=gp.REPO / ".carry" / "curve", help="what `save` brought back")
-    p.add_argument("--machine-min", type=float, default=24, help="run-minutes of one lent machine")
+    p.add_argument("--machine-min", type=float, default=24, help="run-minutes of one GPU host job")
     p.add_argument("--results", type=Path, default=gp.REPO / "bench" / "results")
     a = ap.parse_args()
     if a.cmd == "plan":

@@ -10,7 +10,7 @@ commands may be cut off after a while (the lent GPU machines': 10 minutes a call
         budget is spent, and stops a stage still running at the budget (training resumes from its
         checkpoint next call). Prints what is left. --until pack: no stage after pack (e.g. to train
         another model on the packed data: bench.specforge_train). --detach: the same in a process of
-        its own session, which outlives the device call that starts it (the machine stays while calls
+        its own session, which outlives the bounded command that starts it (the machine stays while calls
         follow back to back), so a run longer than one call is measured uncut: `--detach --budget 1700`.
     python -m bench.gpu_profile wait [--budget 560]
         follow a detached run's log; exit 0 once it has finished, 3 while it still runs at the budget

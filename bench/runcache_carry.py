@@ -1,5 +1,5 @@
-"""DVC run-cache entries of chosen stages, with their outputs, carried between lent machines through
-this one in pieces a device call can move (files of <= 16 MiB, <= 64 MiB a call). A fresh machine that
+"""DVC run-cache entries of chosen stages, with their outputs, carried between GPU hosts without internet through
+this one in pieces a bounded command can move (files of <= 16 MiB, <= 64 MiB a call). A fresh machine that
 loads them restores those stages as DVC restores any stage run ("Stage ... is cached") instead of
 running them again.
 
@@ -29,7 +29,7 @@ import yaml
 
 from eaglenest.atomic import replaced_file
 
-CHUNK = 14 * 2**20  # a device call brings back files of <= 16 MiB; four fill one carried folder
+CHUNK = 14 * 2**20  # a bounded command brings back files of <= 16 MiB; four fill one carried folder
 MANIFEST = "runcache.json"
 NAME = "runcache.tgz"
 EXTRA = "extra/"  # the tar's members that are not DVC cache files: `extra`'s, by their relative path
@@ -120,7 +120,7 @@ def _manifest(src: Path) -> dict | None:
 
 
 def collect(src: Path, dst: Path, max_bytes: int, keep=("points.tgz",)) -> list[Path]:
-    """The chunks a device call returned (src) added to dst's numbered folders of <= max_bytes each; the
+    """The chunks a bounded command returned (src) added to dst's numbered folders of <= max_bytes each; the
     set's manifest and the files named in `keep` go into every folder. A newer set (another manifest)
     is laid out in dst/next/ and replaces dst's folders only once every chunk of it is there: a session
     whose save calls were cut short leaves the older whole set in place."""

@@ -137,7 +137,7 @@ def test_the_larger_gpu_profile_trains_what_the_curve_measured(tmp_path):
 
 
 def test_plan_says_when_a_point_s_stores_outgrow_a_machine_s_disk(tmp_path, capsys):
-    """+ 8x's stores, at the last run's bytes a token, exceed the free disk a lent machine had: plan says
+    """+ 8x's stores, at the last run's bytes a token, exceed the free disk a GPU host had: plan says
     the point cannot run on one machine's disk, which + 4x (62 GB of 68) could."""
     from bench import gpu_curve as gc
 

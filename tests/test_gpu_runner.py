@@ -1,6 +1,6 @@
-"""bench/gpu_profile.py's runner of `dvc repro` on lent machines: `stop` (SIGTERM to a detached run)
-reaches the stage running in DVC's own process session, as the budget does, so a training stage saves
-its checkpoint and no stage is left running without its runner."""
+"""bench/gpu_profile.py's runner of `dvc repro` on GPU hosts without internet, under a job time limit:
+`stop` (SIGTERM to a detached run) reaches the stage running in DVC's own process session, as the
+budget does, so a training stage saves its checkpoint and no stage is left running without its runner."""
 
 import os
 import subprocess
