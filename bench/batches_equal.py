@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 from eaglenest.data.pack import pack
 from eaglenest.data.packed import PackedSplit, batch_shape, collate, epoch_batches
-from eaglenest.target import load_heads, load_target
+from eaglenest.target.loading import load_heads
+from eaglenest.target.directory import load_target
 ws = Path(ws)
 target = load_target(ws / "data/target")
 packed = ws / f"packed-{kind}"

@@ -23,7 +23,7 @@ AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # one core, the shape of a SmolLM2 MLP projection at 512 tokens
 MATMUL = """
 import json, time, torch
-from eaglenest.made_on import cpu_kind
+from eaglenest.runtime.made_on import cpu_kind
 torch.set_num_threads(1)
 rates = {}
 for dt in (torch.float32, torch.bfloat16):

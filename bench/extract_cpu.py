@@ -21,8 +21,8 @@ import yaml
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.loop import extract_part
 from eaglenest.extraction.plan import batch_tokens_for, length_batches
-from eaglenest.taps import resolve_taps
-from eaglenest.target import load_target
+from eaglenest.target.directory import load_target
+from eaglenest.target.taps import resolve_taps
 from stages import _params
 
 OUT = Path("bench/out")

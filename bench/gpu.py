@@ -142,7 +142,7 @@ def bench_extraction(res, args, peak, clocks):
     from eaglenest.data.chat import token_table, write_tokenized
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
-    from eaglenest.target import materialize
+    from eaglenest.target.directory import materialize
 
     cfg = llama8b(args.layers)
     torch.manual_seed(0)
@@ -438,7 +438,7 @@ def bench_loader(res, target):
     from eaglenest.data.pack import pack
     from eaglenest.data.packed import PackedSplit, collate
     from eaglenest.data.teacher import teach_parts
-    from eaglenest.target import load_heads
+    from eaglenest.target.loading import load_heads
 
     t = time.time()
     head = load_heads(target)["lm_head"]
@@ -533,7 +533,7 @@ def main():
         help="GPU kernel-time breakdown of the default training step and of one extraction forward",
     )
     args = ap.parse_args()
-    from eaglenest.errors import setup_logging
+    from eaglenest.runtime.errors import setup_logging
 
     setup_logging()
     if args.torch_threads:

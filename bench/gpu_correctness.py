@@ -21,7 +21,7 @@ import torch
 
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.gate import token_stats
-from eaglenest.taps import resolve_taps
+from eaglenest.target.taps import resolve_taps
 
 
 def padded_vs_one_by_one(target) -> dict:
@@ -102,7 +102,7 @@ def speculative_lossless(target) -> dict:
     from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
     from eaglenest.drafter.config import DrafterConfig
     from eaglenest.drafter.model import Eagle3Drafter
-    from eaglenest.target import load_model
+    from eaglenest.target.loading import load_model
     from tests.conftest import random_samples
     from tests.test_train import oracle_drafter
 

@@ -106,7 +106,7 @@ def record(out: Path, sets: list[str], res: dict) -> None:
 
 
 def workspace(root: Path, args, name: str | None = None) -> tuple[Path, dict]:
-    from eaglenest.target import materialize
+    from eaglenest.target.directory import materialize
 
     model_dir = root / "model"
     build_target(model_dir, args.layers, small=args.device == "cpu")
@@ -177,8 +177,8 @@ def gate_costs(ws: Path, part: str, samples: list[int], device: str) -> dict:
     comparison (after it)."""
     from eaglenest.extraction.reference_process import ReferenceProcess, choose
     from eaglenest.store.hidden_store import HiddenStore
-    from eaglenest.taps import resolve_taps
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
+    from eaglenest.target.taps import resolve_taps
 
     target = load_target(ws / "data" / "target")
     params = yaml.safe_load((ws / "params.yaml").read_text())
@@ -215,7 +215,7 @@ def dvc_repro(root: Path, args, parts: list[str], flops_per_token: float, peak: 
     params = yaml.safe_load((ws / "params.yaml").read_text())
     params.setdefault("data", {})["parts"] = parts
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
-    if not (ws / "eaglenest").exists():  # the stage's code dependency (eaglenest/versions.py), this checkout's
+    if not (ws / "eaglenest").exists():  # the stage's code dependency (eaglenest/runtime/versions.py), this checkout's
         (ws / "eaglenest").symlink_to(REPO / "eaglenest")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}  # fmt: skip
@@ -259,8 +259,8 @@ def profile_batches(ws: Path, part: str, n: int, device: str) -> dict:
     from eaglenest.extraction.backends import make_backend
     from eaglenest.extraction.plan import batch_tokens_for, plan_pieces, plan_windows, read_tokenized, window_batches
     from eaglenest.store.hidden_store import Layout
-    from eaglenest.taps import resolve_taps
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
+    from eaglenest.target.taps import resolve_taps
 
     params = yaml.safe_load((ws / "params.yaml").read_text())
     ex, st = params["extract"], params["store"]

@@ -27,7 +27,7 @@ import torch
 
 from bench.gpu import llama8b, train_variant
 from eaglenest.extraction.gate import Reference
-from eaglenest.target import Target
+from eaglenest.target.directory import Target
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out")) / "gpu_gate.json"
 MODEL = Path("/tmp/gate8b")
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, nargs="*", default=[4096, 8192])
     ap.add_argument("--skip-gate", action="store_true")
     args = ap.parse_args()
-    from eaglenest.errors import setup_logging
+    from eaglenest.runtime.errors import setup_logging
 
     setup_logging()
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,

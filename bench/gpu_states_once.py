@@ -28,12 +28,12 @@ TRAIN = """
 import json, sys, time, torch
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from eaglenest.target import load_heads
+from eaglenest.target.loading import load_heads
 from eaglenest.drafter.train import Trainer
 from eaglenest.drafter.train_config import TrainConfig
 from stages import _params
 ws, T, steps, target_json = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
-from eaglenest.target import Target
+from eaglenest.target.directory import Target
 target = Target(**{**target_json, "model_dir": Path(target_json["model_dir"])})
 from eaglenest.data.pack import pack
 t = time.time()
@@ -86,7 +86,7 @@ def train_new(target, states: str, steps: int, workers: int) -> dict:
     from eaglenest.data.teacher import teach_parts
     from eaglenest.drafter.train import Trainer
     from eaglenest.drafter.train_config import TrainConfig
-    from eaglenest.target import load_heads
+    from eaglenest.target.loading import load_heads
     from stages import _params
 
     hidden, packed = WS / states / "hidden", WS / states / "packed"
@@ -137,7 +137,7 @@ def main() -> None:
 
     from bench.gpu_gate import build
     from eaglenest.data import chat
-    from eaglenest.errors import setup_logging
+    from eaglenest.runtime.errors import setup_logging
 
     setup_logging()
     target = build(32)

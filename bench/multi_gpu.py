@@ -27,7 +27,7 @@ def build(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eaglenest.data.chat import token_table, write_tokenized
-    from eaglenest.target import materialize
+    from eaglenest.target.directory import materialize
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -56,8 +56,8 @@ def build(args):
 def extract_one(part: str, out_root: str, device: str, seq: int) -> dict:
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
-    from eaglenest.taps import resolve_taps
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
+    from eaglenest.target.taps import resolve_taps
     from stages import _params
 
     t = load_target(OUT / "target")
@@ -85,7 +85,7 @@ def train_main(args):
 
     from eaglenest.drafter.train import Trainer
     from eaglenest.drafter.train_config import TrainConfig
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
     from stages import _params
 
     cfg = TrainConfig.from_params(
@@ -121,7 +121,8 @@ def run_all(args):
     from eaglenest.data.pack import pack
     from eaglenest.data.teacher import teach_parts
     from eaglenest.store.hidden_store import HiddenStore
-    from eaglenest.target import load_heads, load_target
+    from eaglenest.target.directory import load_target
+    from eaglenest.target.loading import load_heads
 
     res = {
         "gpus": torch.cuda.device_count(),
@@ -204,7 +205,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--gpus", type=int, default=2)
     args = ap.parse_args()
-    from eaglenest.errors import setup_logging
+    from eaglenest.runtime.errors import setup_logging
 
     setup_logging()
     if args.cmd == "all":

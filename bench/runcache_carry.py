@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from eaglenest.atomic import replaced_file
+from eaglenest.files.atomic import replaced_file
 
 CHUNK = 14 * 2**20  # a bounded command brings back files of <= 16 MiB; four fill one carried folder
 MANIFEST = "runcache.json"

@@ -5,7 +5,7 @@ bench/results/scale.json (merged into what GPU runs wrote there) for bench/RESUL
 
 Uses data/target (the built-in target: its tokenizer for the random targets, and the dense
 reference figures) and data/tokenized/<first part>.parquet, after `dvc repro`.
-- moe_gate: random 6-layer targets of each architecture (`eaglenest.random_target`, taps [1, 3, 4]):
+- moe_gate: random 6-layer targets of each architecture (`eaglenest.target.random_weights`, taps [1, 3, 4]):
   per-token cosine and relative-error quantiles of honest hf-backend bf16 states and of an off-by-one
   tap against the float32 reference; the tokens whose expert set differs between the bf16 forward
   and the float32 one (router hooks); and the gate's verdict on both under the default thresholds
@@ -28,16 +28,16 @@ import numpy as np
 import torch
 import yaml
 
-from eaglenest.atomic import write_json
 from eaglenest.disk_plan import for_config
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.gate import MOE_QUANTILE, Reference, token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.plan import read_tokenized
 from eaglenest.extraction.reference_process import LocalReference, choose
-from eaglenest.random_target import build
-from eaglenest.taps import resolve_taps
-from eaglenest.target import load_target, materialize
+from eaglenest.files.atomic import write_json
+from eaglenest.target.directory import load_target, materialize
+from eaglenest.target.random_weights import build
+from eaglenest.target.taps import resolve_taps
 
 OUT = Path("bench/results/scale.json")
 GPU = Path("bench/results/gpu_gate.json")  # `python -m bench.gpu_gate` on the H200

@@ -55,7 +55,7 @@ def specforge_trainer(packed: Path, target, cfg, ckpt_dir: Path, attention: str 
 
     from eaglenest.drafter import checkpoint
     from eaglenest.drafter.train import Trainer
-    from eaglenest.target import load_heads
+    from eaglenest.target.loading import load_heads
 
     class SpecForgeTrainer(Trainer):
         def __init__(self):
@@ -161,7 +161,7 @@ def main() -> None:
     import yaml
 
     from eaglenest.drafter.train_config import TrainConfig
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
     from stages import _paths as paths
 
     out = a.out or a.workdir / "bench" / "out" / "specforge"

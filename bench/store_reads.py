@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from eaglenest.made_on import made_on
+from eaglenest.runtime.made_on import made_on
 from eaglenest.store.hidden_store import HiddenStore
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ import yaml
 
 from eaglenest.extraction.backends import make_backend
 from eaglenest.extraction.loop import GateFailed, extract_part
-from eaglenest.taps import resolve_taps
-from eaglenest.target import load_target
+from eaglenest.target.directory import load_target
+from eaglenest.target.taps import resolve_taps
 
 
 def run(backend_name: str, target, tokenized: Path, taps, validate: dict, work: Path, dtype: str) -> dict:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglenest.errors import EaglenestError
-from eaglenest.sizes import size
+from eaglenest.files.sizes import size
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
 
 DEFAULT_RATIO = 1.0  # no compression assumed before a store of the format exists to measure it by
@@ -134,8 +134,8 @@ def for_params(params: dict, repo: Path) -> dict:
     """Every part of the current params: its tokens (once tokenized) and store bytes; pack; the DVC
     cache; the free space; the extraction time at the rate this machine measured, if it has."""
     from eaglenest.extraction.plan import sample_count, token_count
-    from eaglenest.taps import resolve_taps
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
+    from eaglenest.target.taps import resolve_taps
 
     repo = Path(repo)
     target = load_target(repo / "data" / "target")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from eaglenest.decoding.batch_decode import decode_all
 from eaglenest.synthetic import follow_up_messages
-from eaglenest.target import stop_ids
+from eaglenest.target.loading import stop_ids
 
 log = logging.getLogger(__name__)
 

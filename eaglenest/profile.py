@@ -13,9 +13,9 @@ from pathlib import Path
 from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from eaglenest.atomic import replaced_file
-from eaglenest.errors import EaglenestError
-from eaglenest.names import load_yaml, plain_name
+from eaglenest.files.atomic import replaced_file
+from eaglenest.files.names import load_yaml, plain_name
+from eaglenest.runtime.errors import EaglenestError
 
 
 def _yaml() -> YAML:

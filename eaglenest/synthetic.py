@@ -19,8 +19,8 @@ import xxhash
 from tqdm import tqdm
 
 from eaglenest.decoding.batch_decode import decode_all
-from eaglenest.errors import EaglenestError
-from eaglenest.target import stop_ids
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.loading import stop_ids
 
 log = logging.getLogger(__name__)
 SENTINEL = "EaglenestUserTurnSentinel"

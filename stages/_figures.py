@@ -6,7 +6,7 @@ throughput, resumed pieces, devices and writers used -- which differs on every r
 
 from pathlib import Path
 
-from eaglenest.atomic import write_json
+from eaglenest.files.atomic import write_json
 
 # besides every key ending in "_s" or "seconds" (tokens_per_s too): figures of the run, not of the result
 RUN_KEYS = {

@@ -8,8 +8,8 @@ import os
 import re
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
-from eaglenest.names import RULE, is_plain, load_yaml
+from eaglenest.files.names import RULE, is_plain, load_yaml
+from eaglenest.runtime.errors import EaglenestError
 
 PARAMS = Path("params.yaml")
 

@@ -4,8 +4,8 @@ that dvc.yaml declares as deps and outs (tests/test_paths.py checks that the two
 import argparse
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
-from eaglenest.names import plain_name
+from eaglenest.files.names import plain_name
+from eaglenest.runtime.errors import EaglenestError
 
 TARGET = Path("data/target")
 PACKED = Path("data/packed")

@@ -24,12 +24,13 @@ import csv
 import logging
 from pathlib import Path
 
-from eaglenest.atomic import replaced_file, write_json
 from eaglenest.decoding.tree import TreeShape
-from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.evaluate import evaluate, mtbench_prompts
-from eaglenest.made_on import compute_dtype, made_on
-from eaglenest.target import load_target, pick_device
+from eaglenest.files.atomic import replaced_file, write_json
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.runtime.made_on import compute_dtype, made_on
+from eaglenest.target.directory import load_target
+from eaglenest.target.loading import pick_device
 
 from . import _params
 from . import _paths as paths

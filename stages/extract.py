@@ -25,16 +25,17 @@ import time
 from pathlib import Path
 
 from eaglenest.disk_plan import Shape, check_space, ratio_of, store_bytes, written
-from eaglenest.errors import EaglenestError, exit_on_error
 from eaglenest.extraction.backends import make_backend
 from eaglenest.extraction.devices import devices_for
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.plan import batch_tokens_for, token_count
 from eaglenest.extraction.wall_clock import add_fixed_cost
-from eaglenest.made_on import compute_dtype, made_on
-from eaglenest.sizes import size
-from eaglenest.taps import resolve_taps
-from eaglenest.target import check_fingerprint, load_target, pick_device
+from eaglenest.files.sizes import size
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.runtime.made_on import compute_dtype, made_on
+from eaglenest.target.directory import check_fingerprint, load_target
+from eaglenest.target.loading import pick_device
+from eaglenest.target.taps import resolve_taps
 
 from . import _figures, _params
 from . import _paths as paths

@@ -13,12 +13,13 @@ import argparse
 import logging
 import time
 
-from eaglenest.atomic import copy_file, write_json
 from eaglenest.data.conversations import read_jsonl, write_jsonl
-from eaglenest.errors import exit_on_error
+from eaglenest.files.atomic import copy_file, write_json
 from eaglenest.generate import regenerate
-from eaglenest.made_on import compute_dtype, made_on
-from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
+from eaglenest.runtime.errors import exit_on_error
+from eaglenest.runtime.made_on import compute_dtype, made_on
+from eaglenest.target.directory import load_target
+from eaglenest.target.loading import load_model, load_tokenizer, pick_device
 
 from . import _params
 from . import _paths as paths

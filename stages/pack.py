@@ -12,10 +12,10 @@ import argparse
 import json
 import logging
 
-from eaglenest.atomic import write_json
 from eaglenest.data.pack import pack
-from eaglenest.errors import exit_on_error
-from eaglenest.made_on import made_on
+from eaglenest.files.atomic import write_json
+from eaglenest.runtime.errors import exit_on_error
+from eaglenest.runtime.made_on import made_on
 
 from . import _params
 from . import _paths as paths

@@ -1,4 +1,4 @@
-"""The exported drafter in a real serving engine: `eaglenest.serve_check` on MT-bench first turns,
+"""The exported drafter in a real serving engine: `eaglenest.serving.check` on MT-bench first turns,
 the engine's own tau and acceptance beside the offline decoder's, lossless against the engine's own
 plain greedy run. vLLM (`make vllm-env`) drafts chains; SGLang (`make sglang-env`) drafts chains
 and trees (on a CPU through eaglenest's kernel stand-in, sglang_patch/standins). Not a DVC stage
@@ -15,14 +15,15 @@ import json
 import logging
 from pathlib import Path
 
-from eaglenest.atomic import replaced_file
+from eaglenest.decoding.modes import mode_key
 from eaglenest.decoding.tree import TreeShape
-from eaglenest.errors import EaglenestError, exit_on_error
-from eaglenest.evaluate import mode_key, mtbench_prompts
-from eaglenest.serve_check import serve_check
-from eaglenest.serve_sglang import SGLANG_PYTHON, SGLang
-from eaglenest.serve_vllm import VLLM, VLLM_PYTHON
-from eaglenest.target import load_target
+from eaglenest.evaluate import mtbench_prompts
+from eaglenest.files.atomic import replaced_file
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.serving.check import serve_check
+from eaglenest.serving.sglang import SGLANG_PYTHON, SGLang
+from eaglenest.serving.vllm import VLLM, VLLM_PYTHON
+from eaglenest.target.directory import load_target
 
 from . import _params
 from . import _paths as paths

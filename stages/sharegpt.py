@@ -11,10 +11,10 @@ of its own: short first-turn prompts, the shape MT-bench asks in (profiles/gpu.y
 import argparse
 import logging
 
-from eaglenest.atomic import write_json
 from eaglenest.data.conversations import sharegpt_conversations, split_turns, write_jsonl
-from eaglenest.errors import EaglenestError, exit_on_error
-from eaglenest.wheels import package_file
+from eaglenest.files.atomic import write_json
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.runtime.wheels import package_file
 
 from . import _paths as paths
 

@@ -19,12 +19,13 @@ import argparse
 import logging
 import time
 
-from eaglenest.atomic import write_json
 from eaglenest.data.conversations import write_jsonl
-from eaglenest.errors import exit_on_error
-from eaglenest.made_on import compute_dtype, made_on
+from eaglenest.files.atomic import write_json
+from eaglenest.runtime.errors import exit_on_error
+from eaglenest.runtime.made_on import compute_dtype, made_on
 from eaglenest.synthetic import conversations, sample_prompts
-from eaglenest.target import load_model, load_target, load_tokenizer, pick_device
+from eaglenest.target.directory import load_target
+from eaglenest.target.loading import load_model, load_tokenizer, pick_device
 
 from . import _params
 from . import _paths as paths

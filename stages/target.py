@@ -7,9 +7,9 @@ python -m stages.target            (params: target.path, target.dtype; out: data
 import argparse
 from pathlib import Path
 
-from eaglenest.atomic import write_json
-from eaglenest.errors import exit_on_error
-from eaglenest.target import materialize
+from eaglenest.files.atomic import write_json
+from eaglenest.runtime.errors import exit_on_error
+from eaglenest.target.directory import materialize
 
 from . import _params
 from . import _paths as paths

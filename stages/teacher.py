@@ -13,11 +13,12 @@ import argparse
 import logging
 import time
 
-from eaglenest.atomic import write_json
 from eaglenest.data.teacher import teacher, tokenized_ids
-from eaglenest.errors import EaglenestError, exit_on_error
-from eaglenest.made_on import made_on
-from eaglenest.target import load_heads, load_target, pick_device
+from eaglenest.files.atomic import write_json
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.runtime.made_on import made_on
+from eaglenest.target.directory import load_target
+from eaglenest.target.loading import load_heads, pick_device
 
 from . import _params
 from . import _paths as paths

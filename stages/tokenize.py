@@ -9,11 +9,12 @@ import argparse
 import logging
 from pathlib import Path
 
-from eaglenest.atomic import write_json
 from eaglenest.data.chat import require_template, tokenize_part, write_tokenized
 from eaglenest.data.conversations import read_jsonl
-from eaglenest.errors import EaglenestError, exit_on_error
-from eaglenest.target import load_target, load_tokenizer
+from eaglenest.files.atomic import write_json
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.target.directory import load_target
+from eaglenest.target.loading import load_tokenizer
 
 from . import _params
 from . import _paths as paths

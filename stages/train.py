@@ -17,13 +17,13 @@ import logging
 import sys
 from pathlib import Path
 
-from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.drafter.train import Trainer
 from eaglenest.drafter.train_config import TrainConfig
-from eaglenest.errors import exit_on_error
-from eaglenest.made_on import made_on
-from eaglenest.target import load_target
-from eaglenest.torchrun import ranks, relaunch, under_torchrun, visible_gpus
+from eaglenest.files.atomic import replaced_dir, write_json
+from eaglenest.runtime.errors import exit_on_error
+from eaglenest.runtime.made_on import made_on
+from eaglenest.runtime.torchrun import ranks, relaunch, under_torchrun, visible_gpus
+from eaglenest.target.directory import load_target
 
 from . import _params
 from . import _paths as paths

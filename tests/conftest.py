@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from eaglenest.data import chat
-from eaglenest.made_on import compute_dtype
-from eaglenest.target import fingerprint, load_target, materialize
+from eaglenest.runtime.made_on import compute_dtype
+from eaglenest.target.directory import load_target, materialize
+from eaglenest.target.files import fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 # what the stages compute in here (`dtype: auto`): bf16 on a CPU with bf16 units, float32 on one that
@@ -41,7 +42,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2):
-    from eaglenest.target import load_tokenizer
+    from eaglenest.target.loading import load_tokenizer
 
     return load_tokenizer(smollm2)
 
@@ -145,8 +146,8 @@ def build_packed(root: Path, tiny_target, states: str = "bf16") -> Path:
     from eaglenest.data.teacher import teach_parts
     from eaglenest.extraction.backends.hf import HFBackend
     from eaglenest.extraction.loop import extract_part
-    from eaglenest.taps import resolve_taps
-    from eaglenest.target import load_heads
+    from eaglenest.target.loading import load_heads
+    from eaglenest.target.taps import resolve_taps
 
     ws = stage_workspace(root, tiny_target, base_params())
     taps = resolve_taps("auto", tiny_target.num_layers)

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import llama, llama_kernels
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.backends.hf_weights import copy_cast
 from eaglenest.extraction.gate import token_stats
-from eaglenest.taps import resolve_taps
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.taps import resolve_taps
 
 from .conftest import make_tiny_target, random_samples
 from .test_extract import family_target

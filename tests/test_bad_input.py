@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from eaglenest.data.conversations import read_jsonl
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 
 from .conftest import REPO, pack_workspace, run_py

@@ -3,7 +3,7 @@ import copy
 import pytest
 
 from eaglenest.data.chat import require_template, tokenize_conversation, tokenize_part
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 CONV = [
     {"role": "user", "content": "What is 2+2?"},

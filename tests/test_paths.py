@@ -82,7 +82,7 @@ def test_profiles_applied_one_after_another_write_the_values_they_set(tmp_path, 
     import shutil
 
     from eaglenest import profile as prof
-    from eaglenest.errors import EaglenestError
+    from eaglenest.runtime.errors import EaglenestError
 
     params, over = tmp_path / "params.yaml", tmp_path / "over.yaml"
     shutil.copy(REPO / "params.yaml", params)
@@ -130,8 +130,8 @@ def test_a_profile_extends_another_and_a_loop_of_them_is_named(tmp_path):
     """`extends: <name>` takes the other profile's keys, then the profile's own over them; profiles that
     extend each other in a loop, an `extends` that names no profile, and a file that is no mapping of
     sections fail naming the file."""
-    from eaglenest.errors import EaglenestError
     from eaglenest.profile import overrides
+    from eaglenest.runtime.errors import EaglenestError
 
     d = tmp_path / "profiles"
     d.mkdir()

@@ -80,7 +80,7 @@ def test_moe_targets_run_to_an_evaluated_drafter(arch, reference, smollm2, tmp_p
     chat template (DeepSeek-V3: MLA, a shared and routed experts, a dense first layer; Qwen3-MoE):
     `dvc repro` to an evaluated drafter, the gate passing their honest states (token_quantile auto:
     the 98th-percentile token), its reference streamed a layer at a time where asked."""
-    from eaglenest.random_target import build
+    from eaglenest.target.random_weights import build
 
     model = build(arch, tmp_path / "model", smollm2.model_dir)
     params = tiny_params(parts=("tiny-a",), per_part=6)
@@ -192,9 +192,9 @@ def test_vllm_serves_the_exported_drafter_as_the_offline_evaluation_says(built, 
     greedy decoding, and its acceptance counters agree with this project's offline decoder on the
     same prompt tokens and budget."""
     from eaglenest.evaluate import mtbench_prompts
-    from eaglenest.serve_check import serve_check
-    from eaglenest.serve_vllm import VLLM, VLLM_PYTHON
-    from eaglenest.target import load_target
+    from eaglenest.serving.check import serve_check
+    from eaglenest.serving.vllm import VLLM, VLLM_PYTHON
+    from eaglenest.target.directory import load_target
 
     from .conftest import REPO
 
@@ -223,9 +223,10 @@ def test_sglang_drafts_trees_as_the_offline_evaluation_says(built, tmp_path):
     from eaglenest.decoding.speculative import TargetRunner, greedy_decode
     from eaglenest.decoding.tree import TreeShape
     from eaglenest.evaluate import mtbench_prompts, prompt_ids
-    from eaglenest.serve_check import serve_check
-    from eaglenest.serve_sglang import SGLANG_PYTHON, SGLang
-    from eaglenest.target import load_model, load_target, load_tokenizer, stop_ids
+    from eaglenest.serving.check import serve_check
+    from eaglenest.serving.sglang import SGLANG_PYTHON, SGLang
+    from eaglenest.target.directory import load_target
+    from eaglenest.target.loading import load_model, load_tokenizer, stop_ids
 
     from .conftest import REPO
 

@@ -18,9 +18,9 @@ import yaml
 import zarr
 
 from eaglenest.data.conversations import read_jsonl
-from eaglenest.errors import EaglenestError
-from eaglenest.extraction import loop as extract_mod
+from eaglenest.extraction import work_dir as work_dir_mod
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import HiddenStore, Layout, verify_store
 from eaglenest.store.piece_buffers import SHM_PREFIX, sweep_stale_shm
 
@@ -81,18 +81,18 @@ def test_a_work_dir_interrupted_while_being_created_is_rebuilt(tmp_path, monkeyp
     work = WorkDir(tmp_path, "p", "a" * 20)
     layout = Layout.for_sizes(64, 3, max_seq_len=128, chunk_mb=0.01, shard_mb=0.05, codec="none", level=1)
     attrs = {"work_key": "k"}
-    real = extract_mod.create_arrays
+    real = work_dir_mod.create_arrays
 
     def disk_full_after_the_first_array(group, lay, n):
         group.create_array("input_ids", shape=(n, 8), dtype="int32")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(extract_mod, "create_arrays", disk_full_after_the_first_array)
+    monkeypatch.setattr(work_dir_mod, "create_arrays", disk_full_after_the_first_array)
     with pytest.raises(OSError):
-        extract_mod._open_work_store(work, layout, 4, attrs)
+        work.open_store(layout, 4, attrs)
     assert (work.store / "zarr.json").is_file() and not work.is_complete()
-    monkeypatch.setattr(extract_mod, "create_arrays", real)
-    group = extract_mod._open_work_store(work, layout, 4, attrs)  # was: KeyError 'aux' on every rerun
+    monkeypatch.setattr(work_dir_mod, "create_arrays", real)
+    group = work.open_store(layout, 4, attrs)  # was: KeyError 'aux' on every rerun
     assert work.is_complete() and set(layout.arrays()) <= set(zarr.open_group(str(work.store)).array_keys())
     assert group.attrs["work_key"] == "k"
 

@@ -1,6 +1,6 @@
 """Reading vLLM's speculative-decoding counters (the server itself runs in test_pipeline.py)."""
 
-from eaglenest.serve_vllm import parse_spec_counters
+from eaglenest.serving.vllm import parse_spec_counters
 
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

@@ -1,4 +1,4 @@
-"""A server process (eaglenest.server_process, as SGLang's and vLLM's are run): its scratch files and
+"""A server process (eaglenest.runtime.server_process, as SGLang's and vLLM's are run): its scratch files and
 IPC sockets live in a TMPDIR of its own, gone once it stops, also after it died or left a worker."""
 
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.errors import EaglenestError
-from eaglenest.server_process import ServerProcess, free_port
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.server_process import ServerProcess, free_port
 
 # the server: a worker in its process group that ignores SIGTERM, an AF_UNIX socket and a file in
 # its temp dir (as vLLM's ZMQ sockets and scratch dirs), then HTTP on the port
@@ -81,8 +81,8 @@ def test_a_server_that_never_starts_leaves_nothing(tmp_path):
 COMMAND = r"""
 import sys, time
 from pathlib import Path
-from eaglenest.errors import exit_on_error
-from eaglenest.server_process import ServerProcess
+from eaglenest.runtime.errors import exit_on_error
+from eaglenest.runtime.server_process import ServerProcess
 
 
 @exit_on_error

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import SampleFailed
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.backends.sglang_client import SGLangBackend
 from eaglenest.extraction.backends.sglang_server import LaunchedServer, free_port
 from eaglenest.extraction.loop import extract_part
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import HiddenStore
-from eaglenest.taps import resolve_taps
+from eaglenest.target.taps import resolve_taps
 from sglang_patch import server_env
 from sglang_patch.protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS
 

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import yaml
 
-from eaglenest.children import descendants
+from eaglenest.runtime.children import descendants
 
 from .conftest import REPO
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.loop import extract_part
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.bf16 import from_bits, to_bits
 from eaglenest.store.hidden_store import HiddenStore, verify_store
-from eaglenest.taps import resolve_taps
-from eaglenest.target import check_fingerprint, materialize
+from eaglenest.target.directory import check_fingerprint, materialize
+from eaglenest.target.taps import resolve_taps
 
 from .conftest import REPO, gate, random_samples, run_py, write_tokenized
 
@@ -283,7 +283,7 @@ def test_target_digest_cache_reuses_digests_but_catches_a_weight_edited_in_place
 def test_target_stage_records_digests_so_the_first_part_reads_no_weight(tiny_target, tmp_path, monkeypatch):
     """materialize with a digest cache records what it hashed: the first extract part's fingerprint
     check then takes every digest from the cache (here: hashing is made to fail)."""
-    from eaglenest import hashing
+    from eaglenest.files import hashing
 
     shutil.copytree(tiny_target.model_dir, tmp_path / "model")
     cache = tmp_path / "digests.json"
@@ -321,7 +321,7 @@ def test_an_array_zarr_wrote_in_another_layout_is_read_through_zarr(tiny_target,
     import zarr
     from zarr.codecs import Crc32cCodec, ZstdCodec
 
-    from eaglenest.store.hidden_store import write_checksums
+    from eaglenest.store.checksums import write_checksums
 
     out, *_ = extract_tiny(tiny_target, tmp_path)
     store = HiddenStore(out)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from eaglenest.data.conversations import read_jsonl
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.synthetic import (
     NearDuplicates,
     degenerate,
@@ -17,7 +17,7 @@ from eaglenest.synthetic import (
     sample_prompts,
     user_turn_opening,
 )
-from eaglenest.target import load_model
+from eaglenest.target.loading import load_model
 
 from .conftest import generate_params, make_clone, ran, run_py, sh, stage_workspace, tiny_params, write_params
 

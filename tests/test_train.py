@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from eaglenest.data.packed import PackedSplit
 from eaglenest.decoding.speculative import TargetRunner, greedy_decode, speculative_decode
 from eaglenest.drafter.model import Eagle3Drafter
-from eaglenest.errors import EaglenestError
-from eaglenest.target import load_model
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.loading import load_model
 
 from .conftest import REPO, build_packed, random_samples, run_py, train_params
 
@@ -71,7 +71,7 @@ def test_teacher_writes_the_same_bytes_with_worker_processes(tiny_packed, tiny_t
     exactly, and pack reads no state: its output from them is the fixture's, byte for byte."""
     from eaglenest.data.pack import pack
     from eaglenest.data.teacher import teach_parts
-    from eaglenest.target import load_heads
+    from eaglenest.target.loading import load_heads
 
     data = tiny_packed / "data"
     head = load_heads(tiny_target)["lm_head"]
@@ -235,7 +235,7 @@ def test_a_signal_to_the_stage_stops_every_rank_it_started(tiny_packed, tmp_path
 
 
 def test_train_nproc_resolves_to_ranks_that_split_the_micro_batches(caplog):
-    from eaglenest.torchrun import ranks
+    from eaglenest.runtime.torchrun import ranks
 
     assert ranks("auto", 4, 0) == 1  # the CPU: one process
     assert ranks("auto", 8, 8) == 8 and ranks("auto", 4, 8) == 4 and ranks("auto", 6, 4) == 3
@@ -305,7 +305,7 @@ def test_a_checkpoint_of_other_training_code_is_not_resumed(tiny_packed, tmp_pat
     'resumed' (it would export the old drafter as the new one)."""
     from eaglenest.drafter import train as T
     from eaglenest.drafter.train_config import TrainConfig
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
 
     def trainer():
         cfg = TrainConfig(**train_params())
@@ -398,7 +398,7 @@ def test_training_from_loader_processes_equals_training_in_process(tiny_packed, 
     same per-epoch validation, read through the same workers."""
     from eaglenest.drafter.train import Trainer
     from eaglenest.drafter.train_config import TrainConfig
-    from eaglenest.target import load_target
+    from eaglenest.target.directory import load_target
 
     def weights(workers: int) -> dict:
         cfg = TrainConfig(**train_params(loader_workers=workers, epochs=2))

@@ -64,7 +64,7 @@ def test_batched_trees_decide_as_batch1(smollm2):
     drafter, and with oracle trees that accept every path length, so rows advance unevenly and
     rejected nodes must stay out of later rounds' attention."""
     from eaglenest.decoding import batched_tree as bt
-    from eaglenest.target import load_model
+    from eaglenest.target.loading import load_model
 
     model = load_model(smollm2, dtype="float32", device="cpu")
     runner, embed, taps = TargetRunner(model, [1, 14, 27]), model.get_input_embeddings(), [1, 14, 27]
@@ -129,8 +129,8 @@ def test_the_mask_sees_ancestors_only_and_accept_walks_greedy():
 
 
 def test_serving_flags_name_the_fastest_chain_and_tree(tmp_path):
-    from eaglenest.cli import main
-    from eaglenest.serve_flags import flags
+    from eaglenest.cli.main import main
+    from eaglenest.serving.flags import flags
 
     timing = {
         "target_step_ms": 10.0,

@@ -45,8 +45,8 @@ def test_vllm_tensor_parallel_over_two_cpu_workers_passes_the_gate(smollm2, tmp_
     """vLLM's own tensor parallelism (`--tensor-parallel-size 2`: two CPU workers, the backend binds
     each to half the cores) extracts states that pass the gate. SmolLM2's 9 heads do not split in
     two: a random Llama with 4 (head size 64, which vLLM's CPU attention takes)."""
-    from eaglenest.random_target import build
-    from eaglenest.target import materialize
+    from eaglenest.target.directory import materialize
+    from eaglenest.target.random_weights import build
 
     target = materialize(str(build("llama", tmp_path / "model", smollm2.model_dir)), tmp_path / "target")
     params = base_params(extract={"backend": "vllm", "taps": [1, 3, 4]}, validate=gate(6))

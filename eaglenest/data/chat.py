@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglenest import children
-from eaglenest.atomic import replaced_file
-from eaglenest.errors import EaglenestError
+from eaglenest.files.atomic import replaced_file
+from eaglenest.runtime import children
+from eaglenest.runtime.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from eaglenest.atomic import replaced_file
-from eaglenest.errors import EaglenestError
+from eaglenest.files.atomic import replaced_file
+from eaglenest.runtime.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 

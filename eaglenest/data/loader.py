@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglenest import children
 from eaglenest.data.packed import PackedSplit, as_tensors, batch_layout, collate, collate_into
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime import children
+from eaglenest.runtime.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 ALIGN = 4096

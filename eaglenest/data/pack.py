@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save_file
 
-from eaglenest.atomic import replaced_dir, write_json
 from eaglenest.data.teacher import load_teacher
 from eaglenest.data.vocab import build_vocab, coverage
-from eaglenest.errors import EaglenestError
+from eaglenest.files.atomic import replaced_dir, write_json
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from eaglenest.data.pack import TOKEN_ARRAYS, packed_arrays
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
 

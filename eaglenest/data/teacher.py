@@ -23,10 +23,10 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from eaglenest import children
-from eaglenest.atomic import replaced_dir, write_json
-from eaglenest.errors import EaglenestError
-from eaglenest.made_on import compute_dtype
+from eaglenest.files.atomic import replaced_dir, write_json
+from eaglenest.runtime import children
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.made_on import compute_dtype
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import HiddenStore
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglenest.atomic import replaced_file
+from eaglenest.files.atomic import replaced_file
 
 
 def save(path: Path, model, opt, sched, state: dict) -> None:

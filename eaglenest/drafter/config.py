@@ -5,8 +5,8 @@ numbering, the target's depth, its rope parameters as given)."""
 
 from transformers import LlamaConfig
 
-from eaglenest.taps import default_taps
-from eaglenest.target import head_dim
+from eaglenest.target.directory import head_dim
+from eaglenest.target.taps import default_taps
 
 # keys of config.json that describe the format, not the model: rebuilt by `serving_dict`
 FORMAT_ONLY = ("architectures", "model_type", "rope_theta", "rope_scaling", "num_aux_hidden_states", "torch_dtype",

@@ -1,5 +1,5 @@
-"""The TTT loss head without full draft-vocabulary logits in memory (docs/design.md: Drafter and training, issue: GPU
-performance): for every step k, logits = h_k @ W^T chunk by chunk, soft cross-entropy against the
+"""The TTT loss head without full draft-vocabulary logits in memory (docs/design.md: Drafter and training,
+Performance): for every step k, logits = h_k @ W^T chunk by chunk, soft cross-entropy against the
 teacher's distribution, and the gradients w.r.t. h_k and W computed right there (d CE / d logits
 = softmax - p, since p sums to 1). Backward only scales the stored gradients: no logits are kept
 and none recomputed. On CUDA the per-chunk softmax / CE / gradient is one compiled kernel pair

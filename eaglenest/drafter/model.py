@@ -15,9 +15,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eaglenest.atomic import replaced_file
 from eaglenest.drafter.config import DrafterConfig
-from eaglenest.errors import EaglenestError
+from eaglenest.files.atomic import replaced_file
+from eaglenest.runtime.errors import EaglenestError
 
 
 class StepCache:

@@ -5,8 +5,8 @@ of a checkpoint's key, so a run of other settings or other code never resumes it
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
-from eaglenest.hashing import sha256_file, sha256_text
+from eaglenest.files.hashing import sha256_file, sha256_text
+from eaglenest.runtime.errors import EaglenestError
 
 
 @dataclass
@@ -31,7 +31,9 @@ class TrainConfig:
     compile: str  # auto (on CUDA) | true | false: torch.compile around the attention kernel
     intermediate_size: int | None  # the drafter's MLP width; None = the target's
     loader_workers: int | str  # processes reading the stores: auto (CUDA: 3/4 of a rank's cores; CPU: 0)
-    nproc: int | str  # ranks the stage starts under torchrun (eaglenest/torchrun.py); unused under a hand-run torchrun
+    nproc: (
+        int | str
+    )  # ranks the stage starts under torchrun (eaglenest/runtime/torchrun.py); unused under a hand-run torchrun
 
     @classmethod
     def from_params(cls, p: dict) -> "TrainConfig":

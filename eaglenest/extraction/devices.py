@@ -16,10 +16,11 @@ import torch.multiprocessing as tmp
 from torch.multiprocessing.spawn import ProcessException
 from tqdm import tqdm
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.plan import Piece
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import Layout
-from eaglenest.target import Target, use_device
+from eaglenest.target.directory import Target
+from eaglenest.target.loading import use_device
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The extractor fingerprint and sample keys (docs/design.md: Store)."""
 
-from eaglenest.hashing import sha256_text
+from eaglenest.files.hashing import sha256_text
 
 
 def extractor_info(backend: dict, taps: list[int], dtype: str, revision) -> dict:

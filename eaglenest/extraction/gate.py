@@ -12,11 +12,13 @@ import time
 import numpy as np
 import torch
 
-from eaglenest import host_memory
-from eaglenest.errors import EaglenestError
-from eaglenest.extraction.layer_stream import CheckpointIndex, LayerStream, causal_lm_config
-from eaglenest.sizes import size
-from eaglenest.target import Target, load_model
+from eaglenest.extraction.checkpoint_index import CheckpointIndex
+from eaglenest.extraction.layer_stream import LayerStream, causal_lm_config
+from eaglenest.files.sizes import size
+from eaglenest.runtime import host_memory
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.directory import Target
+from eaglenest.target.loading import load_model
 
 log = logging.getLogger(__name__)
 

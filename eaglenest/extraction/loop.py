@@ -10,53 +10,33 @@ is renamed into the output in one step; a failed gate commits nothing."""
 
 import logging
 import os
-import shutil
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import zarr
 from tqdm import tqdm
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
 from eaglenest.extraction.gate import choose_streamed
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized, tokenized_file
 from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
-from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock, publish
-from eaglenest.hashing import sha256_file, sha256_text
+from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock
+from eaglenest.files.hashing import sha256_file, sha256_text
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import (
     SCHEMA_VERSION,
     TAP_SEMANTICS,
     HiddenStore,
     Layout,
-    create_arrays,
-    write_checksums,
     write_index,
 )
-from eaglenest.target import Target
+from eaglenest.target.directory import Target
 
 log = logging.getLogger(__name__)
-
-
-def _open_work_store(work: WorkDir, layout: Layout, n_pieces: int, attrs: dict) -> zarr.Group:
-    if work.is_complete():
-        group = zarr.open_group(str(work.store), mode="r+")
-        old = dict(group.attrs)
-        if old.get("work_key") != attrs["work_key"]:
-            raise EaglenestError(f"{work.store}: work store belongs to another extraction; delete it")
-        return group
-    if work.path.exists():
-        log.warning("%s: the work dir was never completely created (a crash or a full disk); rebuilding it", work.path)
-    work.reset()  # nothing is committed before the store is complete: start clean
-    group = zarr.open_group(str(work.store), mode="w", attributes=attrs)
-    create_arrays(group, layout, n_pieces)
-    work.mark_created()
-    return group
 
 
 def extract_part(*, part: str, work_root: Path, out_dir: Path, **kw) -> dict:
@@ -132,7 +112,7 @@ def _extract_part(
         "work_key": work_key,
         "device": described.get("device"),
     }
-    _open_work_store(work, layout, len(pieces), attrs)
+    work.open_store(layout, len(pieces), attrs)
     done = work.committed()
     pending = [p for p in pieces if p.index not in done]
     todo = {p.index for p in pending}
@@ -246,7 +226,7 @@ def _extract_part(
             metrics["committed"] = False
             raise GateFailed(metrics)
         t_publish = time.time()
-        _finalize(work, out_dir)
+        work.finish(out_dir)
         # milliseconds: renames and fsyncs, often under the 5 ms that two decimals would show as 0
         metrics["fixed_cost"]["publish_s"] = round(time.time() - t_publish, 3)
         metrics["total_seconds"] = round(time.time() - t0, 2)
@@ -291,13 +271,3 @@ def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | Non
         ", ".join(f"{k} cos {v['cosine_mean']:.5f} rel {v['rel_err_mean']:.4f}" for k, v in metrics["taps"].items()),
     )
     return metrics, passed
-
-
-def _finalize(work: WorkDir, out_dir: Path) -> None:
-    for junk in work.store.rglob("*.partial"):  # temp files of writes a crash interrupted
-        junk.unlink()
-    write_checksums(work.store)  # the commit point of the store itself
-    publish(work.store, out_dir)  # the previous store stays until the new one is in place
-    for stale in work.stale_siblings():
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.rmtree(work.path, ignore_errors=True)

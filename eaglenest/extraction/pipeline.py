@@ -9,11 +9,11 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import SampleFailed
 from eaglenest.extraction.plan import Piece, window_batches
 from eaglenest.extraction.work_dir import WorkDir
 from eaglenest.extraction.writers import PieceWriter
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import Layout
 from eaglenest.store.piece_buffers import BufferPool

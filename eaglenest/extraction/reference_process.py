@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglenest.errors import EaglenestError
-from eaglenest.target import Target, model_config
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.directory import Target, model_config
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,12 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from eaglenest.atomic import fsync_path, write_json
-from eaglenest.errors import EaglenestError
+import zarr
+
+from eaglenest.files.atomic import fsync_path, write_json
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.store.checksums import write_checksums
+from eaglenest.store.hidden_store import Layout, create_arrays
 
 log = logging.getLogger(__name__)
 KEY_CHARS = 20
@@ -34,6 +38,35 @@ class WorkDir:
         self.store = self.path / "store"
         self.manifests = self.path / "pieces"
         self.marker = self.path / "created"
+
+    def open_store(self, layout: Layout, n_pieces: int, attrs: dict) -> zarr.Group:
+        """The work store, as created to the end or reopened; a store of another extraction is an error."""
+        if self.is_complete():
+            group = zarr.open_group(str(self.store), mode="r+")
+            old = dict(group.attrs)
+            if old.get("work_key") != attrs["work_key"]:
+                raise EaglenestError(f"{self.store}: work store belongs to another extraction; delete it")
+            return group
+        if self.path.exists():
+            log.warning(
+                "%s: the work dir was never completely created (a crash or a full disk); rebuilding it", self.path
+            )
+        self.reset()  # nothing is committed before the store is complete: start clean
+        group = zarr.open_group(str(self.store), mode="w", attributes=attrs)
+        create_arrays(group, layout, n_pieces)
+        self.mark_created()
+        return group
+
+    def finish(self, out_dir: Path) -> None:
+        """Commit the store (checksums last), publish it over the previous one, and remove this work dir
+        and any stale sibling."""
+        for junk in self.store.rglob("*.partial"):  # temp files of writes a crash interrupted
+            junk.unlink()
+        write_checksums(self.store)  # the commit point of the store itself
+        publish(self.store, out_dir)  # the previous store stays until the new one is in place
+        for stale in self.stale_siblings():
+            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def is_complete(self) -> bool:
         """The store was created to the end (arrays included): a crash or a full disk during creation

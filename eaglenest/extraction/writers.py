@@ -7,8 +7,8 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.work_dir import WorkDir
+from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import Layout
 from eaglenest.store.shard_writer import import_piece_io, write_piece, write_piece_shared, writer_init
 

@@ -18,7 +18,6 @@ checksums.json, checked on every open. Samples are read from the shard files by 
 same checks, without zarr's per-read cost), or by zarr where a store's layout is another.
 """
 
-import json
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -30,17 +29,16 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from eaglenest.atomic import replaced_file, write_json
-from eaglenest.errors import EaglenestError
-from eaglenest.hashing import content_digest, sha256_text
+from eaglenest.files.atomic import replaced_file
+from eaglenest.files.hashing import content_digest, sha256_text
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
 from eaglenest.store import states as state_format
+from eaglenest.store.checksums import INDEX, RESTORE, check_checksums, states_of
 from eaglenest.store.shard_reader import ShardReader
-from eaglenest.versions import STORE_SCHEMA_VERSION as SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
-INDEX = "index.parquet"
-CHECKSUMS = "checksums.json"
 INDEX_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -131,10 +129,6 @@ def array_names(states: str) -> list[str]:
     return list(stored_arrays(states, 0, 0))
 
 
-def metadata_files(states: str) -> list[str]:
-    return ["zarr.json", *(f"{n}/zarr.json" for n in array_names(states)), INDEX]
-
-
 def sample_digest(arrays: dict[str, np.ndarray]) -> str:
     """Over input_ids then the state arrays, as stored (`Layout.arrays` order)."""
     return content_digest(*(np.ascontiguousarray(a) for a in arrays.values()))
@@ -145,47 +139,6 @@ def write_index(path: Path, rows: list[dict]) -> None:
     table = pa.table({k: [r[k] for r in rows] for k in INDEX_SCHEMA.names}, schema=INDEX_SCHEMA)
     with replaced_file(Path(path) / INDEX) as tmp:
         pq.write_table(table, tmp)
-
-
-def states_of(attrs: dict) -> str:
-    """The state format a store's attributes declare (bf16 for stores made before `store.states`)."""
-    return attrs.get("layout", {}).get("states", "bf16")
-
-
-def _states(path: Path) -> str:
-    return states_of(json.loads((Path(path) / "zarr.json").read_text())["attributes"])
-
-
-def write_checksums(path: Path) -> None:
-    """Commit a finished store: digests of its metadata files, written last and durably."""
-    write_json(
-        Path(path) / CHECKSUMS,
-        {f: content_digest((Path(path) / f).read_bytes()) for f in metadata_files(_states(path))},
-        durable=True,
-    )
-
-
-RESTORE = "restore the store (`dvc checkout`) or extract the part again"
-
-
-def check_checksums(path: Path) -> None:
-    path = Path(path)
-    if not (path / CHECKSUMS).is_file():
-        raise EaglenestError(f"{path}/{CHECKSUMS}: missing: the store was never committed (half-written?); {RESTORE}")
-    try:
-        expected = json.loads((path / CHECKSUMS).read_text())
-    except ValueError as e:
-        raise EaglenestError(f"{path}/{CHECKSUMS}: corrupt ({e})") from None
-
-    def check(f: str) -> None:
-        if not (path / f).is_file():
-            raise EaglenestError(f"{path}/{f}: missing; {RESTORE}")
-        if content_digest((path / f).read_bytes()) != expected.get(f):
-            raise EaglenestError(f"{path}/{f}: metadata checksum mismatch (corrupt or edited file)")
-
-    check("zarr.json")  # first: it names the state format, hence the other files
-    for f in metadata_files(_states(path))[1:]:
-        check(f)
 
 
 class HiddenStore:

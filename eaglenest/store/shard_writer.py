@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglenest import children
-from eaglenest.atomic import fsync_path
+from eaglenest.files.atomic import fsync_path
+from eaglenest.runtime import children
 from eaglenest.store.hidden_store import Layout, fill_value, sample_digest
 from eaglenest.store.shard_format import EMPTY, crc32c
 

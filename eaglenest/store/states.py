@@ -11,7 +11,7 @@ The digest covers the arrays as stored (scales included)."""
 import numpy as np
 import torch
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 FORMATS = ("bf16", "fp8")
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn

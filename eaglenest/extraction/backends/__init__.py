@@ -4,7 +4,7 @@
 backend, built with `states="fp8"`, hands over each sample's stored arrays instead (a dict from
 `state_format.encode`, quantized on its device); extract quantizes other backends' bf16 states."""
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 
 class SampleFailed(EaglenestError):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 from sglang_patch.protocol import CAPTURE_VERSION, RECEIPT_KEY, capture_file
 
 

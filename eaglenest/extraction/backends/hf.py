@@ -11,13 +11,15 @@ from importlib.metadata import version
 import numpy as np
 import torch
 
-from eaglenest.errors import EaglenestError
 from eaglenest.extraction.backends import llama
 from eaglenest.extraction.backends.hf_compile import LayerCompile, compile_layers, compile_length
 from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_cast, copy_weights, plan_copy
+from eaglenest.extraction.backends.host_copy import PinnedCopy
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.versions import CAPTURE_VERSIONS
 from eaglenest.store import states as state_format
-from eaglenest.target import Target, head_dim, load_model, model_config, pick_device, use_device
-from eaglenest.versions import CAPTURE_VERSIONS
+from eaglenest.target.directory import Target, head_dim, model_config
+from eaglenest.target.loading import load_model, pick_device, use_device
 
 log = logging.getLogger(__name__)
 
@@ -25,30 +27,8 @@ COMPILE = (True, False, "auto", "layers", "kernels")
 
 
 class HFBackend:
-    """`compile`: fuse what eager runs as separate memory-bound kernels: RMSNorm's fp32
-    casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half (29 % of an 8B forward's GPU time eager;
-    compiled, the H200 forward went 0.61 -> 0.75 MFU). auto: `kernels` on CUDA, off on the CPU.
-    - kernels: the backend runs the decoder itself, as plain functions (`llama`: Llama, Mistral,
-      Qwen2, Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its norms, rotary,
-      SiLU x up and residual sum as Triton kernels of its own (`llama_kernels`), built in a thread
-      while the weights are copied in (`hf_compile.LayerCompile`). No torch.compile (whose cold
-      compile the first batch waited for) and no transformers modeling import in the stage (most
-      of an 8B load's 10 s of `load_s` on the H200). CUDA only (the CPU runs them in Triton's
-      interpreter, TRITON_INTERPRET=1: the tests). Other decoders run as `true`.
-    - layers: the same own decoder, its layer (`llama.make_layer`) one torch.compile graph for every
-      layer and shape, compiled in that thread.
-    - true: each of transformers' decoder layers compiled inside its forward, whose hidden-state
-      capture hooks read a ContextVar that dynamo cannot trace: three graphs a layer (input norm |
-      attention | the rest), compiled at the warm-up before the first batch, after the load (a
-      compile beside transformers' load is unsafe: both set torch's process-wide default dtype, and
-      fx's tracing patches `nn.Module.__call__` for every thread).
-    The loop compiled whole (one graph a batch) was measured and dropped: on the H200 its cold
-    compile took 67 s and its batches kept recompiling (forward loop at MFU 0.13; RESULTS.md).
-    Dynamo specialises a size of 1, so compiled batches are never one row or one token long: a
-    part's occasional one-sample batch (a piece's remainder) gets a padding row, dropped after, and
-    runs the graphs every batch runs. One family of graphs, compiled once before the first batch.
-    A graph compiled with its length equal to the head or hidden size would be specialised to that
-    length (dynamo gives equal sizes one symbol): `warm_len` avoids those.
+    """`compile`: fuse what eager runs as separate memory-bound kernels (auto: `kernels` on CUDA, off on
+    the CPU); each mode is described in `hf_compile`.
 
     `states`: the store's format (`store.states`); fp8 is quantized on the device, before the
     copy out, so half the bytes cross PCIe."""
@@ -87,7 +67,7 @@ class HFBackend:
         self.decoder = None  # loaded on first use: a fully resumed part never loads the model
         self.forward = None  # ids -> (aux, final): transformers' forward, or the own decoder's
         self.pad_id = 0
-        self.copy_stream = None
+        self.copy = PinnedCopy()
         self.compiling = None  # hf_compile.LayerCompile until the first batch
         self.loading, self.load_error = None, None  # `start_load`'s thread, what it raised
         self.states = state_format.check(states)
@@ -236,21 +216,6 @@ class HFBackend:
             self.compiling = None
         self.decoder = None
 
-    def _to_host(self, *tensors):
-        """Copies to pinned host memory on a side stream (a DMA copy instead of a staged pageable
-        one), so the next batch's forward runs while this one's states cross PCIe; returns the host
-        tensors and the event that marks them complete."""
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream()
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.copy_stream):
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-            for t in tensors:  # not reused by the compute stream before the copy has read it
-                t.record_stream(self.copy_stream)
-            done = torch.cuda.Event()
-            done.record()
-        return *host, done
-
     def warm_up(self, ids: torch.Tensor) -> None:
         """Before the first batch, so that a part's fixed cost shows the compile and its forward loop
         does not: the own layer's compile awaited (`warm_up_s`: what the load did not hide of its
@@ -303,7 +268,7 @@ class HFBackend:
             names, tensors = tuple(stored), list(stored.values())
         done = None
         if aux.is_cuda:
-            *tensors, done = self._to_host(*tensors)
+            *tensors, done = self.copy(*tensors)
 
         def wait():
             if done is not None:

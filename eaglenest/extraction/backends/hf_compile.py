@@ -1,7 +1,33 @@
 """The hf backend's compiled layers: transformers' decoder layers compiled in place (`compile: true`),
 or the own layer function compiled in a thread while the weights are copied in (`llama.make_layer`
 through torch.compile, `compile: layers`; with `llama_kernels.OPS`, whose Triton kernels build on
-their first run, `compile: kernels`); and the lengths a graph may be compiled at."""
+their first run, `compile: kernels`); and the lengths a graph may be compiled at.
+
+`extract.hf.compile` fuses what eager runs as separate memory-bound kernels: RMSNorm's fp32
+casts/pow/mean/rsqrt, SiLU x up, RoPE's rotate-half (29 % of an 8B forward's GPU time eager;
+compiled, the H200 forward went 0.61 -> 0.75 MFU). auto: `kernels` on CUDA, off on the CPU.
+- kernels: the backend runs the decoder itself, as plain functions (`llama`: Llama, Mistral,
+  Qwen2, Qwen3 with SDPA; the same ops as transformers', bit for bit eager), its norms, rotary,
+  SiLU x up and residual sum as Triton kernels of its own (`llama_kernels`), built in a thread
+  while the weights are copied in (`LayerCompile`). No torch.compile (whose cold
+  compile the first batch waited for) and no transformers modeling import in the stage (most
+  of an 8B load's 10 s of `load_s` on the H200). CUDA only (the CPU runs them in Triton's
+  interpreter, TRITON_INTERPRET=1: the tests). Other decoders run as `true`.
+- layers: the same own decoder, its layer (`llama.make_layer`) one torch.compile graph for every
+  layer and shape, compiled in that thread.
+- true: each of transformers' decoder layers compiled inside its forward, whose hidden-state
+  capture hooks read a ContextVar that dynamo cannot trace: three graphs a layer (input norm |
+  attention | the rest), compiled at the warm-up before the first batch, after the load (a
+  compile beside transformers' load is unsafe: both set torch's process-wide default dtype, and
+  fx's tracing patches `nn.Module.__call__` for every thread).
+The loop compiled whole (one graph a batch) was measured and dropped: on the H200 its cold
+compile took 67 s and its batches kept recompiling (forward loop at MFU 0.13; RESULTS.md).
+Dynamo specialises a size of 1, so compiled batches are never one row or one token long: a
+part's occasional one-sample batch (a piece's remainder) gets a padding row, dropped after, and
+runs the graphs every batch runs. One family of graphs, compiled once before the first batch.
+A graph compiled with its length equal to the head or hidden size would be specialised to that
+length (dynamo gives equal sizes one symbol): `warm_len` avoids those.
+"""
 
 import logging
 import threading
@@ -10,7 +36,7 @@ import time
 import torch
 
 from eaglenest.extraction.backends.llama import Decoder, rotary
-from eaglenest.target import use_device
+from eaglenest.target.loading import use_device
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from eaglenest.errors import EaglenestError
-from eaglenest.target import LOADING, quiet_transformers
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.loading import LOADING, quiet_transformers
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglenest.errors import EaglenestError
-from eaglenest.target import Target
-from eaglenest.versions import CAPTURE_VERSIONS
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.versions import CAPTURE_VERSIONS
+from eaglenest.target.directory import Target
 from sglang_patch.protocol import DEFAULT_RID_PREFIX, supported
 
 from . import SampleFailed

@@ -3,8 +3,8 @@ own virtual environment (SGLang pins its own torch/transformers: `make sglang-en
 
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
-from eaglenest.server_process import ServerProcess, free_port, get_json, installed_version
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.server_process import ServerProcess, free_port, get_json, installed_version
 
 __all__ = ["LaunchedServer", "free_port", "get_json", "sglang_version"]
 

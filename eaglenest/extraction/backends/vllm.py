@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from eaglenest.errors import EaglenestError
-from eaglenest.server_process import ServerProcess, free_port, installed_version, post_json
-from eaglenest.target import Target, load_heads, model_config
-from eaglenest.versions import CAPTURE_VERSIONS
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.server_process import ServerProcess, free_port, installed_version, post_json
+from eaglenest.runtime.versions import CAPTURE_VERSIONS
+from eaglenest.target.directory import Target, model_config
+from eaglenest.target.loading import load_heads
 
 from . import SampleFailed
 

@@ -1,7 +1,7 @@
 """Tiny random-weight targets of other architectures, from transformers' own configs and a tokenizer
 already on disk (the built-in target's), for runs where no such model can be downloaded:
 
-    python -m eaglenest.random_target deepseek-v3 data/targets/dsv3 --tokenizer data/target/model
+    python -m eaglenest.target.random_weights deepseek-v3 data/targets/dsv3 --tokenizer data/target/model
 
 then `target.path: data/targets/dsv3` in params.yaml. The weights are random (seeded): the states
 and drafters they give exercise the pipeline and the gate, not a language model's quality."""
@@ -10,9 +10,9 @@ import argparse
 import shutil
 from pathlib import Path
 
-from eaglenest.atomic import replaced_dir
-from eaglenest.errors import EaglenestError, exit_on_error
-from eaglenest.target import TOKENIZER_FILES
+from eaglenest.files.atomic import replaced_dir
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from eaglenest.target.files import TOKENIZER_FILES
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "max_position_embeddings": 4096}
 ARCHITECTURES = {

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from eaglenest import children
+from eaglenest.runtime import children
 
 log = logging.getLogger("eaglenest")
 
@@ -66,7 +66,7 @@ def exit_on_error(fn):
     return wrapper
 
 
-# Set by eaglenest/torchrun.py for the ranks it starts: where a rank leaves its error line, which
+# Set by eaglenest/runtime/torchrun.py for the ranks it starts: where a rank leaves its error line, which
 # the launcher repeats last, after torchrun's own report, so the cause is what a user sees at the end.
 RANK_ERRORS = "EAGLENEST_RANK_ERRORS"
 

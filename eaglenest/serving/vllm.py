@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglenest.decoding.tree import TreeShape
-from eaglenest.errors import EaglenestError
-from eaglenest.server_process import ServerProcess, free_port, installed_version, post_json
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.server_process import ServerProcess, free_port, installed_version, post_json
 
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
 COUNTER = re.compile(r"^vllm:(spec_decode_\w+?)(?:_total)?(?:\{([^}]*)\})? ([0-9.eE+-]+)$")

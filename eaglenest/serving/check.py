@@ -11,11 +11,13 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+from eaglenest.decoding.modes import depth, mode_key
 from eaglenest.decoding.tree import TreeShape
-from eaglenest.errors import EaglenestError
-from eaglenest.evaluate import depth, evaluate, mode_key, prompt_ids
-from eaglenest.server_process import ServerProcess
-from eaglenest.target import Target, load_tokenizer
+from eaglenest.evaluate import evaluate, prompt_ids
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.server_process import ServerProcess
+from eaglenest.target.directory import Target
+from eaglenest.target.loading import load_tokenizer
 
 log = logging.getLogger(__name__)
 

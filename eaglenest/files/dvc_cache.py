@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

@@ -5,7 +5,7 @@ vLLM's command lines for the exported drafter. vLLM drafts EAGLE-3 as a chain; S
 import json
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 SGLANG = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "

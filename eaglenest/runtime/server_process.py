@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 log = logging.getLogger(__name__)
 BIND_FAILED = "error while attempting to bind on address"  # uvicorn's message

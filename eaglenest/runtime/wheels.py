@@ -4,7 +4,7 @@ often imports dependencies we deliberately do not install)."""
 import importlib.util
 from pathlib import Path
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 
 def package_file(package: str, relpath: str, wheel_hint: str) -> Path:

@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglenest.decoding.tree import TreeShape
-from eaglenest.errors import EaglenestError
-from eaglenest.serve_flags import sglang_shape
-from eaglenest.server_process import ServerProcess, free_port, installed_version, post_json
+from eaglenest.runtime.errors import EaglenestError
+from eaglenest.runtime.server_process import ServerProcess, free_port, installed_version, post_json
+from eaglenest.serving.flags import sglang_shape
 
 SGLANG_PYTHON = Path(".venv-sglang/bin/python")
 

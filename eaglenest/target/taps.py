@@ -1,7 +1,7 @@
 """The tap convention (docs/design.md: Taps): tap j = HF `hidden_states[j]`, the residual stream
 entering decoder layer j; the default taps and the check of configured ones."""
 
-from eaglenest.errors import EaglenestError
+from eaglenest.runtime.errors import EaglenestError
 
 
 def default_taps(num_layers: int) -> list[int]:

@@ -9,9 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eaglenest.errors import RANK_ERRORS, EaglenestError
+from eaglenest.runtime.errors import RANK_ERRORS, EaglenestError
 
-log = logging.getLogger("eaglenest.torchrun")
+log = logging.getLogger("eaglenest.runtime.torchrun")
 
 
 def under_torchrun() -> bool:

@@ -1,0 +1,1 @@
+"""The `eaglenest` command line."""

@@ -1,0 +1,1 @@
+"""The target model: its directory and fingerprint, loading it, its taps, random-weight targets."""
