@@ -3,7 +3,7 @@ Plain constants, imported on both sides."""
 
 import re
 
-from eaglenest.versions import CAPTURE_VERSIONS
+from eaglenest.runtime.versions import CAPTURE_VERSIONS
 
 CAPTURE_VERSION = CAPTURE_VERSIONS["sglang"]
 RECEIPT_KEY = "hs_capture"  # meta_info key of the per-request receipt
