@@ -1,4 +1,4 @@
-"""Draft trees against the chain on the CPU default's drafter (issue: tree drafts). Not a test: writes
+"""Draft trees against the chain on the CPU default's drafter. Not a test: writes
 $BENCH_OUT/cpu_trees.json (default bench/out).
 
     python -m bench.cpu_trees [--questions 80] [--tree 5 4 8 --tree 3 4 8]

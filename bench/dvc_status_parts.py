@@ -1,4 +1,4 @@
-"""`dvc status` over four parts, as store bytes grow (issue: states stored once). Not a test.
+"""`dvc status` over four parts, as store bytes grow. Not a test.
 
     python -m bench.dvc_status_parts [--sizes 80 320] [--files 115]
 

@@ -1,4 +1,4 @@
-"""CPU extraction benchmark (issue: foundation). Not a test: records figures in bench/RESULTS.md.
+"""CPU extraction benchmark. Not a test: records figures in bench/RESULTS.md.
 
     python -m bench.extract_cpu [--tokens 40000] [--noop-repro]
 

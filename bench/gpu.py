@@ -1,4 +1,4 @@
-"""GPU benchmark on one H200 (issue: GPU performance). Every variant runs in the same process,
+"""GPU benchmark on one H200. Every variant runs in the same process,
 on the same GPU, against a bf16 matmul peak measured in the same run.
 
     python -m bench.gpu [--layers 32] [--samples 96] [--skip-extract] [--skip-train]

@@ -1,7 +1,7 @@
 """The extract stage's own wall clock on a GPU, the way `dvc repro extract@<part>` runs it: a fresh
 `python -m stages.extract <part>` process per part, the product's defaults, a cold compile cache for
 the first part. Writes its run into bench/results/gpu_extract.json as `runs[<defaults | the -S
-settings>]`, keeping the other runs there (issue: GPU extraction as users run it).
+settings>]`, keeping the other runs there.
 
     python -m bench.gpu_extract [--tokens 2600000] [--parts 4] [--layers 32] [--gate-samples 1,8,32]
                                 [--workdir ~/gpu_extract] [--out bench/results/gpu_extract.json]
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from bench.gpu_profile import apply_sets
+from eaglenest.profile import apply_sets
 
 REPO = Path(__file__).resolve().parents[1]
 

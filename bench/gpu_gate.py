@@ -1,4 +1,4 @@
-"""The gate and long samples at the 8B shape on one H200 (issue: the scale it was made for). Not a
+"""The gate and long samples at the 8B shape on one H200. Not a
 test: writes $OUT/gpu_gate.json (BENCH_OUT, default bench/out), merged by hand into
 bench/results/scale.json and bench/RESULTS.md. Needs only the GPU image's torch and transformers.
 

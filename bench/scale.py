@@ -1,4 +1,4 @@
-"""The gate at scale, on this machine's CPU (issue: the scale it was made for). Not a test: writes
+"""The gate at scale, on this machine's CPU. Not a test: writes
 bench/results/scale.json (merged into what GPU runs wrote there) for bench/RESULTS.md.
 
     python -m bench.scale [--samples 32] [--max-len 192]
@@ -123,7 +123,7 @@ def moe_gate(seqs: list, tokenizer_dir: Path, tmp: Path) -> dict:
             row["flipped_fraction"] = round(flipped / tokens, 4)
         row["honest_passed"], row["honest_gate"] = gate_verdict(target, TAPS, seqs, tmp / arch, "honest")
         passed, row["off_by_one_gate"] = gate_verdict(target, [t + 1 for t in TAPS], seqs, tmp / arch, "obo")
-        # the gate before this issue: every target judged by its single worst token
+        # the gate before the MoE policy: every target judged by its single worst token
         row["honest_passed_worst_token"] = gate_verdict(target, TAPS, seqs, tmp / arch, "worst", token_quantile=1)[0]
         row["off_by_one_failed"] = not passed
         row["seconds"] = round(time.time() - t0, 1)
@@ -199,7 +199,7 @@ def main() -> None:
 
 
 def from_gpu(path: Path) -> dict:
-    """The H200 figures `bench.gpu_gate` recorded, in the issue's shape, and the projection of the
+    """The H200 figures `bench.gpu_gate` recorded, in the shape RESULTS gives, and the projection of the
     streamed gate to a DeepSeek-V3-sized checkpoint from them."""
     if not path.is_file():
         return {}

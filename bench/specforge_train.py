@@ -1,6 +1,6 @@
 """SpecForge 0.2.0's EAGLE-3 model and loss, trained to the end on eaglenest's packed data by
 eaglenest's data loader, optimizer and schedule, then evaluated by eaglenest's `evaluate` stage
-(issue: drafter quality at scale, "SpecForge side by side"). Run it in a workspace where `dvc repro`
+(bench/RESULTS.md, "SpecForge side by side"). Run it in a workspace where `dvc repro`
 has run (data/packed, data/target), e.g. the GPU profile's ~/run:
 
     python -m bench.specforge_train [--workdir ~/run] [-S train.epochs=5 ...] [--out DIR] [--skip-eval]

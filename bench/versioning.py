@@ -1,4 +1,4 @@
-"""Versioning benchmark (issue: data versioning). Not a test: figures go to bench/RESULTS.md.
+"""Versioning benchmark. Not a test: figures go to bench/RESULTS.md.
 
     python -m bench.versioning [--parts 10] [--per-part 12]
 

@@ -96,3 +96,19 @@ def _read_back(text: str):
         return YAML(typ="safe").load(text)
     except YAMLError:
         return None
+
+
+def apply_sets(sets: list[str], params: Path, scratch: Path) -> list[tuple[str, object, object]]:
+    """`section.key=<yaml value>` overrides (as `dvc exp run -S`) applied by the same rule as a profile
+    (each key must exist in params); scratch holds them as a profile file. Returns the changes."""
+    extra: dict = {}
+    for s in sets:
+        key, sep, value = s.partition("=")
+        section, dot, name = key.partition(".")
+        if not (sep and dot and section and name):
+            raise EaglenestError(f"-S {s!r}: expected section.key=value")
+        extra.setdefault(section, {})[name] = YAML(typ="safe").load(value)
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    with replaced_file(scratch) as tmp:
+        tmp.write_text(json.dumps(extra))  # JSON is YAML: the profile reader takes it
+    return apply(scratch, params) if sets else []

@@ -197,7 +197,7 @@ def test_own_kernels_in_the_triton_interpreter(tmp_path):
     backend, eager transformers' states, a sample of one token among them, the kernels built in the
     warm-up thread and named by the fingerprint; refused on a CPU outside the interpreter. (The
     interpreter rounds float32 to bfloat16 by truncation, so bfloat16 is compared on the GPU:
-    bench/gpu_correctness.py.)"""
+    tests/gpu_checks.py.)"""
     p = run_py(["-m", "tests.kernels_interpreted", str(tmp_path)], cwd=REPO, env_extra={"TRITON_INTERPRET": "1"})
     res = json.loads(p.stdout.strip().splitlines()[-1])
     for name, r in [(n, res[n]) for n in ("llama_bias", "qwen3", "backend")] + list(res["odd_shapes"].items()):

@@ -76,7 +76,7 @@ def test_every_profile_gives_valid_params(tmp_path):
 
 
 def test_profiles_applied_one_after_another_write_the_values_they_set(tmp_path, monkeypatch):
-    """The GPU profile, then overrides of its keys (as bench.gpu_profile's -S): each value reads back,
+    """The GPU profile, then overrides of its keys (`-S`: `profile.apply_sets`): each value reads back,
     comments stay; a rendering that would not read back (the list-of-lists one that once joined the
     next key onto its line) is refused and leaves the file as it was."""
     import shutil

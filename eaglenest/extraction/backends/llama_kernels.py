@@ -9,7 +9,7 @@ matmuls (cuBLAS) and attention (SDPA) are torch's: `llama.make_layer(spec, OPS)`
 Each kernel computes in float32 and rounds once, at its output, as inductor's fused kernels did
 (eager rounds after every op, transformers' RMSNorm casts before its weight), and the residual
 stream is rounded once a layer: bfloat16 states sit closer to the float32 reference than eager's
-(bench/gpu_correctness.py measures both; on the random 8B target the gate's final rel_err_mean was
+(tests/gpu_checks.py measures both; on the random 8B target the gate's final rel_err_mean was
 0.064 with eager's roundings and 0.060 rounding each add, against its 0.06 limit; 0.058 now, as the
 compiled layers), and float32 states equal eager's up to summation order. No integer argument that
 varies between batches reaches a kernel unmarked: Triton would build a variant per divisibility of

@@ -1,6 +1,6 @@
-"""The CPU test suite's key properties, checked once on CUDA (issue: GPU performance).
+"""The CPU test suite's key properties, checked once on CUDA (a GPU host; not collected by pytest here).
 
-    python -m bench.gpu_correctness
+    python -m tests.gpu_checks
 
 1. Padded batch == samples one by one (hf backend, bf16 and fp32, a random 8-layer Llama on CUDA).
 2. TTT unroll == naive recomputation (float64, eager attention, on CUDA), and the flex (fused)
