@@ -1,5 +1,5 @@
 """Data versioning on real DVC: incremental parts, edits, invalidation, and identical training data
-to a clean rebuild. Recipes as in the README's "Versioning workflows"."""
+to a clean rebuild. The README's "Versioning" lines."""
 
 import shutil
 
