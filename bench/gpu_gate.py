@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from bench.gpu import llama8b, train_variant
-from eaglenest.extraction.gate import Reference
+from eaglenest.extraction.reference import Reference
 from eaglenest.target.directory import Target
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out")) / "gpu_gate.json"

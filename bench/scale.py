@@ -30,9 +30,10 @@ import yaml
 
 from eaglenest.disk_plan import for_config
 from eaglenest.extraction.backends.hf import HFBackend
-from eaglenest.extraction.gate import MOE_QUANTILE, Reference, token_stats
+from eaglenest.extraction.gate import MOE_QUANTILE, token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
 from eaglenest.extraction.plan import read_tokenized
+from eaglenest.extraction.reference import Reference
 from eaglenest.extraction.reference_process import LocalReference, choose
 from eaglenest.files.atomic import write_json
 from eaglenest.target.directory import load_target, materialize

@@ -9,7 +9,8 @@ Capture needs every prompt position computed in one prefill forward, so this lau
 what SGLang's own parser makes of them (any spelling it accepts), and SGLang versions outside the
 supported range. With --device cpu it also sets SGLANG_USE_CPU_ENGINE=1,
 defaults --attention-backend torch_native, --mem-fraction-static 0.3, --max-total-tokens 32768,
---disable-overlap-schedule and --sleep-on-idle,
+--disable-overlap-schedule and --sleep-on-idle (an MLA model, DeepSeek-V2/V3: also
+--prefill- and --decode-attention-backend intel_amx, whose prefill takes MLA's keys as computed),
 and, when SGLang's CPU kernel package is not installed, puts a pure-torch stand-in on PYTHONPATH
 (likewise a torchvision stand-in when torchvision is absent: see sglang_patch/standins).
 Capture files (safetensors, 0600) go to --capture-dir (created 0700; default a fresh directory
@@ -24,11 +25,13 @@ from pathlib import Path
 from .protocol import DEFAULT_RID_PREFIX, ENV_DIR, ENV_RID_PREFIX, ENV_TAPS, PLUGIN_NAME
 from .server_env import (
     CPU_DEFAULTS,
+    MLA_CPU_DEFAULTS,
     LaunchError,
     add_unless_set,
     check_version,
     cpu_env,
     exec_server,
+    is_mla,
     sglang_parser,
 )
 
@@ -116,7 +119,7 @@ def build(argv: list[str]) -> tuple[list[str], dict[str, str], str]:
     add_unless_set(parser, user, args, ENFORCED + [("--host", "127.0.0.1")])
     cpu = user.device == "cpu"
     if cpu:
-        add_unless_set(parser, user, args, CPU_DEFAULTS)
+        add_unless_set(parser, user, args, CPU_DEFAULTS + (MLA_CPU_DEFAULTS if is_mla(user.model_path) else []))
     check_meaning(parser, parser.parse_args(args))
     env = {ENV_DIR: capture_dir(ours.capture_dir), ENV_TAPS: ours.capture_taps, ENV_RID_PREFIX: ours.rid_prefix}
     if os.environ.get("SGLANG_PLUGINS") and PLUGIN_NAME not in os.environ["SGLANG_PLUGINS"].split(","):

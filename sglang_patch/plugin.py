@@ -37,6 +37,9 @@ def check_taps(taps: list[int], num_layers: int) -> None:
         )
 
 
+VERBATIM_IDS = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+
+
 def after_load_model(result, runner, *args, **kwargs):
     if getattr(runner, "is_draft_worker", False):
         return result
@@ -52,6 +55,11 @@ def after_load_model(result, runner, *args, **kwargs):
         model.set_eagle3_layers_to_capture([t - 1 for t in taps])  # SGLang ids name a layer's OUTPUT
     inner = getattr(model, "model", None)
     effective = list(getattr(inner, "layers_to_capture", []) or [])
+    if taps is not None and effective == [t - 1 for t in taps] and type(model).__name__ in VERBATIM_IDS:
+        # DeepSeek-V2/V3 add one to the ids only when the first is 1 (the EAGLE-3 drafts' convention for
+        # them) and otherwise capture the ids as given, yet their loop captures the stream entering
+        # layer i as Llama's does: the taps are set as capture indices directly (the gate checks them)
+        inner.layers_to_capture = effective = list(taps)
     if taps is not None and effective != taps:
         # SGLang's id rule has moved before (sgl-project/sglang#25454): refuse rather than capture wrong layers.
         raise RuntimeError(f"eaglenest capture: asked for taps {taps}, SGLang set layers_to_capture={effective}")

@@ -4,6 +4,7 @@ stand-ins for packages PyPI lacks)."""
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from importlib import metadata
@@ -20,7 +21,20 @@ CPU_DEFAULTS = [
     ("--disable-overlap-schedule", None),
     ("--sleep-on-idle", None),
 ]
+# An MLA model (DeepSeek-V2/V3) on CPU: torch_native's prefill reads its keys from the KV pool, which
+# holds MLA's latent vectors, not the keys of the prefill's MHA form; intel_amx's takes them as given
+# (SGLang's CPU kernel package or the stand-in's plain-torch op)
+MLA_CPU_DEFAULTS = [("--prefill-attention-backend", "intel_amx"), ("--decode-attention-backend", "intel_amx")]
 STANDINS = Path(__file__).resolve().parent / "standins"
+
+
+def is_mla(model_path: str) -> bool:
+    """A model with multi-head latent attention (config.json's kv_lora_rank: DeepSeek-V2/V3, Kimi K2)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # a hub id or an unreadable config: SGLang reports it
+    return bool(cfg.get("text_config", cfg).get("kv_lora_rank"))
 
 
 class LaunchError(SystemExit):

@@ -161,6 +161,7 @@ SCHEMA = {
         "max_rel_err_token": _num(0),
         "token_quantile": _either(_one_of("auto"), _num(0.5, 1), what="auto or a number in [0.5, 1]"),
         "reference": _one_of("auto", "whole", "streamed"),
+        "routing": _one_of("auto", "replay", "own"),
         "reference_memory_gb": _either(_one_of("auto"), _num(0, lo_open=True), what="auto or a number of GB > 0"),
     },
     "teacher": {

@@ -52,3 +52,21 @@ class PrefixOutOfContext(HFBackend):
             return [tuple(torch.cat([a, b]) for a, b in zip(got[2 * i], got[2 * i + 1])) for i in range(len(batch))]
 
         return joined
+
+
+class OtherSeed(HFBackend):
+    """The target's architecture with weights drawn from another seed, in memory (as `random_weights`
+    draws them): the states of another model, where a second checkpoint would not fit the disk."""
+
+    seed = 1
+
+    def _load(self):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        super()._load()
+        torch.manual_seed(self.seed)
+        with torch.device(self.device):
+            other = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(self.target.model_dir), dtype=getattr(torch, self.dtype)
+            )
+        self.decoder.load_state_dict(other.get_decoder().state_dict())

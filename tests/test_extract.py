@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from eaglenest.extraction.backends.hf import HFBackend
-from eaglenest.extraction.gate import Reference, token_stats
+from eaglenest.extraction.gate import token_stats
 from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.extraction.reference import Reference
 from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store.hidden_store import HiddenStore, verify_store
 from eaglenest.target.taps import resolve_taps

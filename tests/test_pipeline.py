@@ -78,8 +78,9 @@ def test_repro_to_validated_stores_then_noop(built):
 def test_moe_targets_run_to_an_evaluated_drafter(arch, reference, smollm2, tmp_path):
     """Random mixture-of-experts targets from transformers' configs with the built-in tokenizer and
     chat template (DeepSeek-V3: MLA, a shared and routed experts, a dense first layer; Qwen3-MoE):
-    `dvc repro` to an evaluated drafter, the gate passing their honest states (token_quantile auto:
-    the 98th-percentile token), its reference streamed a layer at a time where asked."""
+    `dvc repro` to an evaluated drafter, the gate passing their honest states (its reference replaying
+    the bf16 forward's experts; token_quantile auto: the 98th-percentile token), streamed a layer at a
+    time where asked."""
     from eaglenest.target.random_weights import build
 
     model = build(arch, tmp_path / "model", smollm2.model_dir)
@@ -94,6 +95,7 @@ def test_moe_targets_run_to_an_evaluated_drafter(arch, reference, smollm2, tmp_p
     assert report["validation"]["passed"] and report["validation"]["thresholds"]["token_quantile"] == 0.98
     assert timing["forward_path"] == "transformers' forward"
     assert timing["validation"]["reference"]["mode"] == ("streamed" if reference == "streamed" else "whole")
+    assert timing["validation"]["reference"]["routing"]["routers"] > 0  # replayed
     ev = json.loads((repo / "reports/evaluate.json").read_text())
     assert ev["questions"] == 2 and ev["mismatches"] == {"2": 0} and ev["tau"]["2"] >= 1.0
     config = json.loads((repo / "data/drafter/config.json").read_text())

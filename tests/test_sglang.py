@@ -413,3 +413,48 @@ def test_server_killed_mid_extraction_then_dvc_repro_resumes(tmp_path):
     assert not subprocess.run(
         ["pgrep", "-f", f"sglang.launch_server.*{repo}"], capture_output=True, text=True
     ).stdout.strip(), "the stage stops the server it launched"
+
+
+def test_a_deepseek_v3_target_served_by_sglang_passes_the_gate(smollm2, tmp_path):
+    """The architecture these users extract with the engine they use: a random DeepSeek-V3 (MLA with a q
+    LoRA and YaRN rope, shared and routed experts, group-limited sigmoid routing, a dense first layer)
+    served by SGLang on the CPU with the capture plugin, through the part's gate under the MoE policy.
+    Taps from layer 1 take the plugin's path for DeepSeek's own id rule (ids as given unless the first
+    is 1); MLA's prefill runs on the attention backend that takes its keys as computed."""
+    from eaglenest.target.directory import materialize
+    from eaglenest.target.random_weights import build
+
+    from .conftest import gate
+
+    build("deepseek-v3", tmp_path / "model", smollm2.model_dir)
+    target = materialize(str(tmp_path / "model"), tmp_path / "target")
+    taps, cap = [1, 3, 4], tmp_path / "capture"
+    cap.mkdir(mode=0o700)
+    srv = LaunchedServer(SGPY, target.model_dir, dtype=CPU_DTYPE, taps=taps, capture_dir=cap, device="cpu",
+                         extra_args=["--max-total-tokens", "16384"], log_path=tmp_path / "server.log",
+                         startup_timeout=300)  # fmt: skip
+    with srv:
+        backend = SGLangBackend(target, taps, dtype=CPU_DTYPE, device="cpu", server_url=srv.url, capture_dir=str(cap))
+        m = extract_part(
+            part="p",
+            tokenized=write_tokenized(tmp_path / "p.parquet", random_samples(12, 20000, 40, 120, seed=5)),
+            target=target,
+            backend=backend,
+            taps=taps,
+            dtype=CPU_DTYPE,
+            revision=0,
+            layout_cfg=dict(chunk_mb=0.05, shard_mb=0.5, codec="zstd", level=1),
+            validate_cfg=gate(6),
+            out_dir=tmp_path / "hidden",
+            work_root=tmp_path / "work",
+            batch_tokens=512,
+            max_seq_len=128,
+            progress=False,
+        )
+        backend.close()
+    assert "--prefill-attention-backend intel_amx" in (tmp_path / "server.log").read_text()  # the launcher says
+    v = m["validation"]
+    assert v["passed"], v["failures"]
+    assert v["thresholds"]["token_quantile"] == 0.98 and v["reference"]["routing"]["routers"] == 5  # the MoE policy
+    assert v["reference"]["routing"]["chosen_by"]["reference_bf16"] == 6  # an engine's experts are not captured
+    assert HiddenStore(tmp_path / "hidden").attrs["extractor"]["backend"] == "sglang"

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -194,10 +194,11 @@ class LayerStream:
         if self.head is not None and not self._resident(self.head):
             self._read("head")
 
-    def run(self, forward, inputs: list) -> list:
+    def run(self, forward, inputs: list, around=nullcontext) -> list:
         """forward(x) for every x, each in a thread of its own, layer-major (module docstring):
         forward calls the model once; the results in input order. The first error of any thread
-        (a layer that fails to load, an out-of-memory) is raised once all have stopped."""
+        (a layer that fails to load, an out-of-memory) is raised once all have stopped. `around`:
+        a context whose hooks run after the stream's (a layer's pre-hook then sees it resident)."""
         if not inputs:
             return []
         barrier = threading.Barrier(len(inputs), action=lambda: self.load(self._next))
@@ -227,7 +228,7 @@ class LayerStream:
             layer.eaglenest_layer = i
             hooks += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
         try:
-            with ThreadPoolExecutor(len(inputs), thread_name_prefix="reference") as pool:
+            with around(), ThreadPoolExecutor(len(inputs), thread_name_prefix="reference") as pool:
                 futures = [pool.submit(one, x) for x in inputs]
                 errors = [f.exception() for f in futures]
             first = next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)), None)

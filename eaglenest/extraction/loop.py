@@ -19,9 +19,10 @@ from tqdm import tqdm
 
 from eaglenest.extraction.devices import Job, cpu_threads, join, limit_threads, share, start, stop
 from eaglenest.extraction.fingerprint import extractor_fingerprint, extractor_info, sample_key
-from eaglenest.extraction.gate import choose_streamed
+from eaglenest.extraction.gate import replays_routing
 from eaglenest.extraction.pipeline import extract_pieces, host_path_report
 from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_tokenized, tokenized_file
+from eaglenest.extraction.reference import choose_streamed
 from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock
 from eaglenest.files.hashing import sha256_file, sha256_text
@@ -34,7 +35,7 @@ from eaglenest.store.hidden_store import (
     Layout,
     write_index,
 )
-from eaglenest.target.directory import Target
+from eaglenest.target.directory import Target, model_config
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +82,15 @@ def _extract_part(
     work = WorkDir(work_root, part, work_key)
     if not work.committed() and hasattr(backend, "start_load"):  # not a resume: the target will be needed
         backend.start_load()  # it loads (and its kernels build) while the part is read and planned
-    # the gate's reference, whole or streamed (`gate.choose_streamed`), chosen before any work: a
+    # the gate's reference, whole or streamed (`reference.choose_streamed`), chosen before any work: a
     # checkpoint, architecture or memory budget it cannot work with fails the part with nothing written
-    streamed = None
+    streamed = replay = None
     if gate_samples(validate_cfg) > 0:
-        streamed, why = choose_streamed(target, described.get("device", "cpu"), validate_cfg or {})
-        log.info("%s: the gate's float32 reference on %s: %s", part, described.get("device", "cpu"), why)
+        streamed, why = choose_streamed(target, described.get("device", "cpu"), validate_cfg or {},
+                                        beside=described.get("backend") == "hf")  # fmt: skip
+        replay = replays_routing(validate_cfg or {}, model_config(target))
+        log.info("%s: the gate's float32 reference on %s: %s%s", part, described.get("device", "cpu"), why,
+                 "; it replays the experts the bf16 forward chose" if replay else "")  # fmt: skip
     names, seqs = read_tokenized(tokenized)
     if not seqs:
         raise EaglenestError(f"{tokenized}: no samples to extract")
@@ -135,11 +139,14 @@ def _extract_part(
     # samples' states while this process loads and compiles; on the CPU here, after the loop
     # (`reference_process`)
     n_gate, seed = gate_samples(validate_cfg), int((validate_cfg or {}).get("seed", 0))
-    reference = None
+    reference = captured = None
     try:
         if n_gate > 0:
-            reference = start_reference(target, taps, described.get("device", "cpu"), tokenized,
-                                        choose(len(seqs), n_gate, seed), streamed)  # fmt: skip
+            chosen = choose(len(seqs), n_gate, seed)
+            # a mixture of experts: the gate replays the experts this very forward chose (`routing.Capture`)
+            captured = replay and hasattr(backend, "watch_routing") and backend.watch_routing([seqs[i] for i in chosen])
+            reference = start_reference(target, taps, described.get("device", "cpu"), tokenized, chosen, streamed,
+                                        replay, captured)  # fmt: skip
         if mine and getattr(backend, "loaded", True) is False:  # the hf backend (or waits for `start_load`)
             backend.load()
         if world > 1 and len(open_windows) > 1:
@@ -187,7 +194,9 @@ def _extract_part(
         store = HiddenStore(work.store, check_metadata=False)  # not committed yet
 
         t_gate = time.time()
-        gate_metrics, passed = _gate(store, reference, validate_cfg)
+        gate_metrics, passed = _gate(
+            store, reference, validate_cfg, getattr(backend, "routing", None) if captured else None
+        )
         gate_s = time.time() - t_gate
         stored_bytes = sum(f.stat().st_size for f in work.store.rglob("*") if f.is_file())
         raw = sum(lengths) * (len(taps) + 1) * target.hidden_size * 2  # as bf16, uncompressed
@@ -254,12 +263,12 @@ def gate_samples(cfg: dict | None) -> int:
     return int((cfg or {}).get("samples", 8))
 
 
-def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict) -> tuple[dict, bool]:
+def _gate(store: HiddenStore, reference: ReferenceProcess | LocalReference | None, cfg: dict, routing=None):
     if reference is None:  # validate.samples <= 0: benchmarks of the store path with synthetic states only
         log.warning("validation gate DISABLED (validate.samples: 0): nothing checks these states")
         return {"samples": 0, "disabled": True, "passed": True, "taps": {}}, True
     t = time.time()
-    metrics, passed = reference.compare(store.path, cfg or {})
+    metrics, passed = reference.compare(store.path, cfg or {}, routing.chosen if routing is not None else None)
     metrics["sample_ids"] = [store.index[i]["id"] for i in reference.chosen]
     metrics["seed"] = int((cfg or {}).get("seed", 0))
     metrics["seconds"] = round(time.time() - t, 2)

@@ -10,7 +10,9 @@ The reference is the same independent model (transformers, float32, eager, one s
 the samples are the seeded choice the gate always made. On the CPU the reference runs in the
 extracting process, after the loop (`LocalReference`): there it has no compile or launch-bound loop
 to stay clear of, and a second process's start, imports and load only compete with the extraction
-for the same cores."""
+for the same cores. A mixture of experts whose extraction keeps its own routing for the gate's samples
+(`routing.Capture`): the process loads while the part runs and takes the states once the routing comes
+with the comparison."""
 
 import logging
 import multiprocessing
@@ -35,26 +37,50 @@ def choose(n_samples: int, want: int, seed: int) -> list[int]:
     return sorted(rng.choice(n_samples, size=min(want, n_samples), replace=False).tolist())
 
 
-def start_reference(target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int], streamed: bool):
+def start_reference(
+    target: Target,
+    taps: list[int],
+    device: str,
+    tokenized: Path,
+    chosen: list[int],
+    streamed: bool,
+    replay: bool,
+    captured: bool = False,
+):
     """The gate's reference for a part extracted on `device`: a process of its own on an accelerator,
-    in this process on the CPU (module docstring); streamed or whole (`gate.choose_streamed`)."""
-    cls = LocalReference if device == "cpu" else ReferenceProcess
-    return cls(target, taps, device, tokenized, chosen, streamed)
+    in this process on the CPU (module docstring); streamed or whole (`reference.choose_streamed`);
+    replaying a bf16 forward's experts or not (`gate.replays_routing`). `captured`: the extraction
+    keeps its own forward's experts for the gate's samples; the comparison then takes them, and the
+    reference's states wait for them."""
+    if device == "cpu":
+        return LocalReference(target, taps, device, tokenized, chosen, streamed, replay)
+    return ReferenceProcess(target, taps, device, tokenized, chosen, streamed, replay, captured)
 
 
 class LocalReference:
     """The same interface in this process: `compare` loads the reference and compares."""
 
     def __init__(
-        self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int], streamed: bool = False
+        self,
+        target: Target,
+        taps: list[int],
+        device: str,
+        tokenized: Path,
+        chosen: list[int],
+        streamed: bool = False,
+        replay: bool = False,
     ):
-        self.target, self.taps, self.device, self.chosen, self.streamed = target, list(taps), device, chosen, streamed
+        self.target, self.taps, self.device, self.chosen = target, list(taps), device, chosen
+        self.streamed, self.replay = streamed, replay
 
-    def compare(self, store: Path, thresholds: dict) -> tuple[dict, bool]:
-        from eaglenest.extraction.gate import Reference
+    def compare(self, store: Path, thresholds: dict, routing: dict | None = None) -> tuple[dict, bool]:
+        """`routing`: the experts the extraction's forward chose for the chosen samples (`routing.Capture`)."""
+        from eaglenest.extraction.reference import Reference
 
         t = time.perf_counter()
-        ref = Reference(self.target, self.taps, self.device, self.streamed)
+        ref = Reference(self.target, self.taps, self.device, self.streamed, self.replay)
+        if routing:
+            ref.take_routing(routing)
         load_s = time.perf_counter() - t
         metrics, passed = _compare(ref, store, self.chosen, thresholds, model_config(self.target))
         # here the states are taken in the comparison: `seconds_by_step.reference_s`
@@ -70,13 +96,21 @@ class ReferenceProcess:
     `close` ends it, whatever happened."""
 
     def __init__(
-        self, target: Target, taps: list[int], device: str, tokenized: Path, chosen: list[int], streamed: bool = False
+        self,
+        target: Target,
+        taps: list[int],
+        device: str,
+        tokenized: Path,
+        chosen: list[int],
+        streamed: bool = False,
+        replay: bool = False,
+        captured: bool = False,
     ):
         self.chosen = chosen
         self.ready = None  # what the process reports once its states are taken
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state inherited
         self.conn, child = ctx.Pipe()
-        job = (target, list(taps), device, str(tokenized), chosen, streamed, os.getpid())
+        job = (target, list(taps), device, str(tokenized), chosen, streamed, replay, captured, os.getpid())
         self.proc = ctx.Process(target=_serve, args=(job, child), name="gate-reference", daemon=True)
         self.proc.start()
         child.close()
@@ -93,12 +127,14 @@ class ReferenceProcess:
             raise EaglenestError(f"validation gate: the reference failed ({what}): {msg['error']}; nothing committed")
         return msg
 
-    def compare(self, store: Path, thresholds: dict) -> tuple[dict, bool]:
-        """Waits for the reference's states, then has the process compare the store's samples."""
+    def compare(self, store: Path, thresholds: dict, routing: dict | None = None) -> tuple[dict, bool]:
+        """Waits for the reference's states (or its load, where they wait for `routing`), then has the
+        process compare the store's samples."""
         t = time.perf_counter()
         self.ready = self._recv("loading the float32 reference")
         waited = time.perf_counter() - t
-        self.conn.send((str(store), thresholds))
+        routing = {k: [c.numpy() for c in v] for k, v in (routing or {}).items()}  # pickled by value
+        self.conn.send((str(store), thresholds, routing))
         metrics, passed = self._recv("comparing")["result"]
         metrics["reference_wait_s"] = round(waited, 2)  # what the part waited for the states, if anything
         metrics.update(self.ready)
@@ -144,7 +180,7 @@ def _compare(ref, store: Path, chosen: list[int], cfg: dict, target_config: dict
 
 
 def _serve(job, conn) -> None:
-    target, taps, device, tokenized, chosen, streamed, parent = job
+    target, taps, device, tokenized, chosen, streamed, replay, captured, parent = job
 
     def watch():  # ends with the extraction, whatever ended it
         while os.getppid() == parent:
@@ -153,21 +189,25 @@ def _serve(job, conn) -> None:
 
     threading.Thread(target=watch, daemon=True).start()
     try:
-        from eaglenest.extraction.gate import Reference
         from eaglenest.extraction.plan import read_tokenized
+        from eaglenest.extraction.reference import Reference
 
         t = time.perf_counter()
-        ref = Reference(target, taps, device, streamed)
+        ref = Reference(target, taps, device, streamed, replay)
         loaded = time.perf_counter()
-        seqs = read_tokenized(Path(tokenized))[1]
-        ref.precompute([seqs[i] for i in chosen])
-        memory = ref.memory()
-        ref.keep_head_only()
-        states_s = time.perf_counter() - loaded
-        conn.send({"reference_load_s": round(loaded - t, 2), "reference_states_s": round(states_s, 2),
-                   "reference": memory})  # fmt: skip
+        ready = {"reference_load_s": round(loaded - t, 2)}
+        if not captured:  # the states now, while the extraction loads and compiles; then only the head kept
+            seqs = read_tokenized(Path(tokenized))[1]
+            ref.precompute([seqs[i] for i in chosen])
+            ready["reference"] = ref.memory()
+            ref.keep_head_only()
+            ready["reference_states_s"] = round(time.perf_counter() - loaded, 2)
+        conn.send(ready)
         msg = conn.recv()
         if msg is not None:
-            conn.send({"result": _compare(ref, Path(msg[0]), chosen, msg[1], model_config(target))})
+            store, thresholds, routing = msg
+            if routing:
+                ref.take_routing(routing)
+            conn.send({"result": _compare(ref, Path(store), chosen, thresholds, model_config(target))})
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})

@@ -15,6 +15,7 @@ from eaglenest.extraction.backends import llama
 from eaglenest.extraction.backends.hf_compile import LayerCompile, compile_layers, compile_length
 from eaglenest.extraction.backends.hf_weights import Unsupported, build_decoder, copy_cast, copy_weights, plan_copy
 from eaglenest.extraction.backends.host_copy import PinnedCopy
+from eaglenest.extraction.routing import Capture, is_moe
 from eaglenest.runtime.errors import EaglenestError
 from eaglenest.runtime.versions import CAPTURE_VERSIONS
 from eaglenest.store import states as state_format
@@ -47,6 +48,7 @@ class HFBackend:
         use_device(self.device)  # of the thread that runs the batches
         if compile not in COMPILE:
             raise EaglenestError(f"extract.hf.compile must be auto, kernels, layers, true or false, got {compile!r}")
+        requested = compile
         if compile == "auto":
             compile = "kernels" if self.device.startswith("cuda") else False
         if compile == "kernels" and not (self.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -58,9 +60,12 @@ class HFBackend:
                     raise Unsupported(f"attention {attn!r}")
                 self.own = llama.plan(target.model_dir)
             except Unsupported as e:
-                log.info("hf backend: %s: not run by the own layers (%s); each of transformers' layers compiled",
-                         target.model_dir, e)  # fmt: skip
-                compile = True
+                # a mixture of experts: transformers' forward uncompiled (its compiled layers ran at half the
+                # tok/s at real width: bench/RESULTS.md), its routing then captured for the gate
+                moe = requested == "auto" and is_moe(model_config(target))
+                log.info("hf backend: %s: not run by the own layers (%s); %s", target.model_dir, e,
+                         "transformers' forward" if moe else "each of transformers' layers compiled")  # fmt: skip
+                compile = False if moe else True
         self.mode = compile
         self.compile = compile is not False
         self.target, self.taps, self.dtype, self.attn = target, list(taps), dtype, attn
@@ -71,6 +76,7 @@ class HFBackend:
         self.compiling = None  # hf_compile.LayerCompile until the first batch
         self.loading, self.load_error = None, None  # `start_load`'s thread, what it raised
         self.states = state_format.check(states)
+        self.watched, self.capture = None, None  # the gate's samples, whose experts are kept (`watch_routing`)
         self.warm = not self.compile  # eager needs no warming
         self.timings = {}  # load_s, warm_up_s: the fixed cost a part's metrics itemise
 
@@ -119,15 +125,9 @@ class HFBackend:
         order = [sorted(self.taps).index(j) for j in self.taps]
         self._order = None if order == sorted(order) else order
         self.timings["load_run_s"] = round(time.perf_counter() - t, 2)
-        log.info(
-            "hf backend: %s on %s, taps %s, states stored as %s, %s; loaded in %.1f s",
-            self.dtype,
-            self.device,
-            self.taps,
-            self.states,
-            "the own layers" if self.own else "transformers' forward",
-            self.timings["load_run_s"],
-        )
+        log.info("hf backend: %s on %s, taps %s, states stored as %s, %s; loaded in %.1f s", self.dtype, self.device,
+                 self.taps, self.states, "the own layers" if self.own else "transformers' forward",
+                 self.timings["load_run_s"])  # fmt: skip
 
     def _load_own(self) -> None:
         t = time.perf_counter()
@@ -189,6 +189,16 @@ class HFBackend:
         aux = torch.stack(kept, dim=2)
         return (aux if self._order is None else aux[:, :, self._order]), final
 
+    def watch_routing(self, samples: list) -> bool:
+        """Keep the experts transformers' uncompiled forward chooses for these samples (a mixture of
+        experts), for the gate's reference to replay (`routing`); False where nothing is kept."""
+        if self.own is not None or self.compile or not is_moe(model_config(self.target)):
+            return False
+        self.watched = samples
+        return True
+
+    routing = property(lambda self: self.capture.routing if self.capture is not None else None)
+
     def describe(self) -> dict:
         return {
             "backend": "hf",
@@ -208,6 +218,8 @@ class HFBackend:
         return f"transformers-{version('transformers')}"
 
     def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
         if self.loading is not None:  # a run that failed while the target loaded
             self.loading.join()
             self.loading = None
@@ -252,15 +264,19 @@ class HFBackend:
         ids = torch.full((rows, T), self.pad_id, dtype=torch.long)
         for b, x in enumerate(batch):
             ids[b, : len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
-        # No attention mask: with RIGHT padding the causal mask alone keeps every real token off the
-        # padding (all it can see lies before it), and the padded rows are dropped below. A padding
-        # mask would make SDPA leave its flash kernel for a materialised [B, 1, T, T] mask, and
-        # transformers reads the mask back to decide that (a host sync per batch).
+        # No attention mask: right-padded, the causal mask alone keeps every real token off the padding.
+        # A padding mask would make SDPA leave its flash kernel (and transformers reads it back: a sync).
         if self.device != "cpu":  # from pageable memory the driver may wait for the running batch
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         if not self.warm:
             self.warm_up(ids)
+        if self.watched is not None and self.capture is None:
+            self.capture = Capture(self.decoder, self.watched)
+        if self.capture is not None:
+            self.capture.before(batch)
         aux, final = self.forward(ids)
+        if self.capture is not None:
+            self.capture.after(ids.shape[1])
         aux, final = aux.to(torch.bfloat16), final.to(torch.bfloat16)
         names, tensors = ("aux", "final"), [aux, final]
         if self.states != "bf16":  # stored arrays, quantized where they were computed

@@ -55,8 +55,15 @@ def extend_attention_cpu(q, k, v, o, k_buffer, v_buffer, k_scale, v_scale, req_t
         prefix = total - n
         cached = req_to_token[req, :prefix].long()
         new = req_to_token[req, prefix:total].long()
-        keys = torch.cat([k_buffer[cached], k[start : start + n] if k is not None else k_buffer[new]]) * k_scale
-        vals = torch.cat([v_buffer[cached], v[start : start + n] if v is not None else v_buffer[new]]) * v_scale
+        keys = k[start : start + n] if k is not None else k_buffer[new]
+        vals = v[start : start + n] if v is not None else v_buffer[new]
+        if prefix:  # no prefix: the new keys alone (an MLA model's MHA prefill passes them in another
+            # layout than its latent cache's, and reads no cache)
+            if keys.shape[1:] != k_buffer.shape[1:]:
+                raise NotImplementedError("eaglenest's CPU stand-in attention: a cached prefix in another "
+                                          f"layout ({tuple(k_buffer.shape[1:])}) than the new keys'")  # fmt: skip
+            keys, vals = torch.cat([k_buffer[cached], keys]), torch.cat([v_buffer[cached], vals])
+        keys, vals = keys * k_scale, vals * v_scale
         visible = torch.ones((n, total), dtype=torch.bool)
         if tree_mask is not None:
             visible[:, prefix:] = tree_mask[mask_at : mask_at + n * n].view(n, n).bool()
