@@ -196,6 +196,53 @@ def test_fused_loss_head_equals_plain_loss(autocast):
         assert rel < (3e-2 if autocast else 1e-5), (n, rel)
 
 
+@pytest.mark.parametrize("recipe", [(10, 1.0, 0), (0, 0.0, 1), (5, 0.5, 3)])
+def test_fused_loss_head_equals_plain_loss_under_each_recipe_option(recipe):
+    """HASS's top-K term and token alignment: the fused head's hand-formed gradient (q s - p') and its
+    chunk-by-chunk alignment give the autograd reference's loss, stats and gradients."""
+    from eaglenest.drafter.ttt import Recipe, ttt_loss
+
+    batch, emb = _loss_batch(), torch.nn.Embedding(300, 64)
+    head = torch.randn(40, 64) * 0.3
+    results = []
+    for fused in (False, True):
+        d = make_drafter().float()
+        loss, stats = ttt_loss(d, batch, emb, head, 4, [30.0, 29.0, 28.0, 27.0], fused=fused, recipe=Recipe(*recipe))
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in d.named_parameters()}))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.allclose(l0, l1, rtol=1e-5), (l0, l1)
+    assert torch.allclose(s0, s1, rtol=1e-5)
+    for n in g0:
+        assert (g0[n] - g1[n]).norm() / g0[n].norm() < 1e-5, n
+
+
+def test_recipe_options_change_the_loss_as_their_sources_define():
+    """The top-K term adds weight to the teacher's likeliest tokens only; token alignment at the whole
+    draft vocabulary keeps every cell, and at top-1 keeps step 0 whole and drops most later cells of an
+    untrained drafter (whose argmax rarely matches); the stats stay the plain CE and top-1 throughout."""
+    from eaglenest.drafter.ttt import Recipe, ttt_loss
+
+    batch, emb = _loss_batch(), torch.nn.Embedding(300, 64)
+    head = torch.randn(40, 64) * 0.3
+    denominators = [30.0, 29.0, 28.0, 27.0]
+
+    def run(recipe=Recipe(0, 0.0, 0), K=4):  # noqa: B008 (a NamedTuple: immutable)
+        with torch.no_grad():
+            return ttt_loss(make_drafter().float(), batch, emb, head, K, denominators[:K], recipe=recipe)
+
+    plain, stats = run()
+    top1, _ = run(Recipe(topk=1, topk_weight=1.0))
+    top40, _ = run(Recipe(topk=40, topk_weight=1.0))  # every draft token: the soft CE counted twice
+    assert torch.allclose(top40, 2 * plain, rtol=1e-5)
+    assert plain < top1 < top40
+    everyone, st_all = run(Recipe(align_topk=40))
+    assert torch.allclose(everyone, plain) and torch.equal(st_all, stats)
+    aligned, st_aligned = run(Recipe(align_topk=1))
+    step0, _ = run(K=1)
+    assert step0 <= aligned < plain and torch.equal(st_aligned, stats)
+
+
 def test_flex_ttt_attention_forward_equals_eager():
     """The FlexAttention TTT mask (CPU: the unfused reference path) attends exactly where the eager
     step does: causal step-0 keys plus each cell's own diagonal keys."""

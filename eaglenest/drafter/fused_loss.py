@@ -12,13 +12,28 @@ import torch.nn.functional as F
 _compiled = None
 
 
-def _chunk_ce(logits, p, top, w, need_grad: bool):
-    """logits [n, V] (compute dtype), p [n, V] fp32, top [n], w [n] -> CE [n], correct [n], dCE/dlogits * w."""
+def _chunk_ce(logits, p, top, w, need_grad: bool, topk: int = 0, topk_weight: float = 0.0, align_topk: int = 0):
+    """logits [n, V] (compute dtype), p [n, V] fp32, top [n], w [n] -> CE [n], objective [n] (CE plus
+    the top-K term), correct [n], aligned [n] (top within the drafter's top-`align_topk`; None at 0),
+    d objective / d logits * w.
+
+    The top-K term (HASS) -sum over the teacher's top-K tokens of p log q is CE against the teacher
+    reweighted to p * (1 + topk_weight on its top-K), whose mass s is no longer 1: d / d logits = q s - p'."""
     logp = F.log_softmax(logits.float(), -1)
     ce = -(p * logp).sum(-1)
     correct = (logp.argmax(-1) == top).float()
-    g = ((logp.exp() - p) * w[:, None]).to(logits.dtype) if need_grad else None
-    return ce, correct, g
+    aligned = None
+    if align_topk:
+        aligned = ((logp > logp.gather(-1, top.clamp(min=0)[:, None])).sum(-1) < align_topk).float()
+    if not topk:
+        g = ((logp.exp() - p) * w[:, None]).to(logits.dtype) if need_grad else None
+        return ce, ce, correct, aligned, g
+    extra = torch.zeros_like(p).scatter_(-1, p.topk(topk, -1).indices, topk_weight) * p
+    objective = ce - (extra * logp).sum(-1)
+    g = None
+    if need_grad:
+        g = ((logp.exp() * (1.0 + extra.sum(-1, keepdim=True)) - p - extra) * w[:, None]).to(logits.dtype)
+    return ce, objective, correct, aligned, g
 
 
 def _chunk_fn(device_type: str, compile_kernel: bool):
@@ -50,14 +65,17 @@ def teacher_targets(final: torch.Tensor, head: torch.Tensor, K: int, chunk: int 
 
 class _StepsLinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, W, teacher_p, teacher_top, masks, scales, chunk, compute_dtype, compile_kernel, *hs):
+    def forward(ctx, W, teacher_p, teacher_top, masks, scales, chunk, compute_dtype, compile_kernel, recipe, *hs):
         N, K = hs[0].shape[0], len(hs)
+        topk, topk_weight, align_topk = recipe
         need_grad = any(ctx.needs_input_grad)  # evaluation: the loss only
         Wc = W.detach().to(compute_dtype)
         gW = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
         loss = torch.zeros((), dtype=torch.float32, device=W.device)
         stats = torch.zeros(K, 3, dtype=torch.float32, device=W.device)
         fn = _chunk_fn(W.device.type, compile_kernel)
+        # token alignment: a cell whose earlier steps already left the target's path trains no further step
+        alive = torch.ones(N, dtype=torch.float32, device=W.device) if align_topk else None
         grads = []
         for k, h in enumerate(hs):
             gh = torch.empty(h.shape, dtype=compute_dtype, device=h.device)  # g @ Wc is in compute dtype anyway
@@ -65,15 +83,24 @@ class _StepsLinearSoftCE(torch.autograd.Function):
                 c1 = min(N, c0 + chunk)
                 hc = h[c0:c1].detach().to(compute_dtype)
                 m = masks[k, c0:c1]
-                w = m * scales[k]
+                w = m * scales[k] if alive is None else m * alive[c0:c1] * scales[k]
                 # row r predicts from teacher row r + 1 + k
-                ce, correct, g = fn(
-                    hc @ Wc.T, teacher_p[c0 + 1 + k : c1 + 1 + k], teacher_top[c0 + 1 + k : c1 + 1 + k], w, need_grad
+                ce, objective, correct, aligned, g = fn(
+                    hc @ Wc.T,
+                    teacher_p[c0 + 1 + k : c1 + 1 + k],
+                    teacher_top[c0 + 1 + k : c1 + 1 + k],
+                    w,
+                    need_grad,
+                    topk,
+                    topk_weight,
+                    align_topk,
                 )
-                loss += (ce * w).sum()
+                loss += (objective * w).sum()
                 stats[k, 0] += (ce * m).sum()
                 stats[k, 1] += (correct * m).sum()
                 stats[k, 2] += m.sum()
+                if alive is not None:
+                    alive[c0:c1] *= aligned
                 if need_grad:
                     gh[c0:c1] = g @ Wc
                     _accumulate(gW, g.T, hc)
@@ -88,7 +115,7 @@ class _StepsLinearSoftCE(torch.autograd.Function):
         gW, *grads = ctx.saved_tensors
         gW = gW.mul_(gloss)  # in place: no second [Vd, H] fp32 buffer (backward runs once)
         # autograd casts each h-gradient back to h's dtype
-        return (gW.to(ctx.w_dtype), None, None, None, None, None, None, None, *[g * gloss.to(g.dtype) for g in grads])
+        return (gW.to(ctx.w_dtype), *[None] * 8, *[g * gloss.to(g.dtype) for g in grads])
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -111,11 +138,13 @@ def steps_linear_soft_ce(
     scales: list[float],
     chunk: int = 2048,
     compile_kernel: bool = True,
+    recipe: tuple[int, float, int] = (0, 0.0, 0),
 ):
     """hs: K step outputs [B, T, H] (after the final norm); W [Vd, H]; teacher_p / teacher_top from
     `teacher_targets`; masks [K, B, T]. Loss = sum_k scales[k] * sum_t masks[k, t] * CE(p[t+1+k], h_k[t] W^T).
     Returns (loss, stats [K, 3] = per-step masked CE sum, correct top-1, mask count). compile_kernel:
-    the per-chunk arithmetic as one compiled kernel on CUDA (benches turn it off to measure it)."""
+    the per-chunk arithmetic as one compiled kernel on CUDA (benches turn it off to measure it).
+    recipe: (topk, topk_weight, align_topk), `ttt.Recipe`; the stats stay the plain CE and top-1 either way."""
     B, T, H = hs[0].shape
     K = len(hs)
     # flattened rows: a row past its own sequence reads the next one, but its mask is zero there
@@ -133,5 +162,6 @@ def steps_linear_soft_ce(
             chunk,
             dtype,
             compile_kernel,
+            tuple(recipe),
             *[h.reshape(B * T, H) for h in hs],
         )

@@ -29,7 +29,7 @@ from eaglenest.drafter.config import DrafterConfig
 from eaglenest.drafter.feeding import BatchFeeding
 from eaglenest.drafter.model import Eagle3Drafter, FrozenEmbedding
 from eaglenest.drafter.train_config import TrainConfig, training_code_digest
-from eaglenest.drafter.ttt import ttt_loss
+from eaglenest.drafter.ttt import Recipe, ttt_loss
 from eaglenest.files.hashing import sha256_text
 from eaglenest.runtime import host_memory
 from eaglenest.runtime.errors import EaglenestError
@@ -91,6 +91,7 @@ class Trainer(BatchFeeding):
         self.head_sel = heads["lm_head"][vocab["selected"]].to(self.device)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else self.model
         self.K = cfg.ttt_steps
+        self.recipe = Recipe(cfg.topk, cfg.topk_weight, cfg.align_topk)
         if cfg.micro_batches % self.world:
             raise EaglenestError(
                 f"train.micro_batches {cfg.micro_batches} must be a multiple of the world size {self.world}"
@@ -160,7 +161,14 @@ class Trainer(BatchFeeding):
             with ctx:
                 with self.autocast:
                     loss, st = ttt_loss(
-                        self.ddp, self._to_dev(b), self.embed, self.head_sel, self.K, denom, self.cfg.decay
+                        self.ddp,
+                        self._to_dev(b),
+                        self.embed,
+                        self.head_sel,
+                        self.K,
+                        denom,
+                        self.cfg.decay,
+                        recipe=self.recipe,
                     )
                 (loss * self.world).backward()  # DDP averages over ranks; the loss is a global sum
             stats += st.float()

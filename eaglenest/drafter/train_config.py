@@ -20,7 +20,10 @@ class TrainConfig:
     weight_decay: float
     grad_clip: float
     ttt_steps: int
-    decay: float
+    decay: float  # step k's loss weight decay^k
+    topk: int  # HASS's top-K distillation term: the teacher's K most likely tokens (0 = off)
+    topk_weight: float  # its weight beside the soft CE
+    align_topk: int  # token alignment: later steps train only cells still within the drafter's top-N (0 = off)
     batch_tokens: int  # padded tokens per micro-batch
     micro_batches: int  # per optimizer step, over all ranks
     seed: int

@@ -281,7 +281,7 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
             record(work, QUEUED, name, None)
         else:
             sh(["dvc", "exp", "apply", name], work)
-            for rel in ("evaluate.json", "train.json", "pack.json"):
+            for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json", "timing/train.json"):
                 if (work / "reports" / rel).exists():
                     row[rel.removesuffix(".json")] = json.loads((work / "reports" / rel).read_text())
             sh(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], work)
