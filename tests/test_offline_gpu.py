@@ -33,6 +33,31 @@ time.sleep(600)
 """
 
 
+def test_setup_applies_the_profile_and_runs_again_over_its_own_records(tmp_path, monkeypatch):
+    """Each command on the host starts with `setup` again: the second one, over the first one's work
+    repo and records, commits the same profile and overrides (the runner's records stay out of git)."""
+    code = tmp_path / "checkout"
+    code.mkdir()
+    for name in (".gitignore", "params.yaml", "dvc.yaml"):
+        shutil.copy2(REPO / name, code / name)
+    shutil.copytree(REPO / "profiles", code / "profiles")
+    for d in ("data", "metrics", "reports", ".dvc"):  # a checkout before its first `dvc repro`
+        (code / d).mkdir()
+    shutil.copy2(REPO / ".dvc" / "config", code / ".dvc" / "config")
+    monkeypatch.setattr(runner, "REPO", code)
+    work = tmp_path / "work"
+    for _ in range(2):
+        runner.setup(work, "gpu", ["train.topk=10"])
+    import yaml
+
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    assert params["train"]["topk"] == 10 and params["generate"]["enabled"] is True  # -S, and the gpu profile
+    assert (work / runner.STATE / "set.yaml").exists()
+    tracked = subprocess.run(["git", "ls-files"], cwd=work, capture_output=True, text=True, check=True).stdout
+    assert "params.yaml" in tracked.split() and runner.STATE not in tracked
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=work, capture_output=True, text=True).stdout == ""
+
+
 def test_stop_interrupts_the_stage_in_dvc_and_the_run_exits(tmp_path):
     work = tmp_path / "work"
     work.mkdir()

@@ -78,7 +78,8 @@ def setup(work: Path, profile: str, sets: list[str]) -> None:
     print(f"{work}: profile {profile}, {len(changes)} key(s) set")
     if not (work / ".git").exists():
         sh(["git", "init", "-q"], work)
-    sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics", ":!reports", f":!{STATE}"], work)
+    # the runner's own records (STATE) are in .gitignore: naming them here too makes git add fail
+    sh(["git", "add", "-A", "--", ".", ":!data", ":!metrics", ":!reports"], work)
     commit(work, f"profile {profile}")
 
 

@@ -1,0 +1,98 @@
+"""The recipe's options screened side by side against today's recipe (docs/design.md: Recipe options):
+the profile's run as it is (the baseline), then one DVC experiment per option on the same data and
+epochs, queued by tools/offline_gpu and run by DVC's own queue; each option's τ at every k and tree,
+per MT-bench category, lossless counts and training tok/s, beside the baseline's from the same run.
+
+    python -m bench.recipe [--profile default|gpu] [--options topk align ...] [--workdir W]
+                           [--budget S] [--jobs N] [--out bench/results/recipe.json]
+
+Safe to run again under a job time limit: finished stages are skipped, queued experiments are not
+queued twice, and the figures are written once every option has run (exit 3 until then). The JSON
+holds one entry per profile."""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eaglenest.files.atomic import write_json
+
+OPTIONS = {  # name: the -S overrides of one experiment (HASS's published K and weight; a tree's top-4)
+    "topk": ["train.topk=10", "train.topk_weight=1.0"],
+    "align": ["train.align_topk=4"],
+    "ttt5": ["train.ttt_steps=5"],
+    "decay9": ["train.decay=0.9"],
+    "long": ["generate.max_new_tokens=512", "tokenize.max_seq_len=1024"],
+}
+
+
+def category_tau(questions: list[dict]) -> dict:
+    """{mode: {category: τ}}: a category's tokens over its verifications (each question's tokens / τ)."""
+    out = {}
+    for mode in sorted({k.removeprefix("tau_") for q in questions for k in q if k.startswith("tau_")}):
+        cats = {}
+        for q in questions:
+            tok, ver = cats.get(q["category"], (0, 0.0))
+            cats[q["category"]] = (tok + q["tokens"], ver + q["tokens"] / q[f"tau_{mode}"])
+        out[mode] = {c: round(t / v, 4) for c, (t, v) in sorted(cats.items())}
+    return out
+
+
+def figures(reports: dict) -> dict:
+    """One run's figures from its evaluate, question and train reports."""
+    ev, tr = reports["evaluate"], reports.get("train", {})
+    return {
+        "tau": {k: round(v, 4) for k, v in ev["tau"].items()},
+        "lossless": {k: f"{v}/{ev['questions']}" for k, v in ev["identical_to_greedy"].items()},
+        "tau_by_category": category_tau(reports.get("evaluate_questions", [])),
+        "val_loss": tr.get("val_loss"),
+        "val_acc_per_step": tr.get("val_acc_per_step"),
+        "train_tokens_per_s": reports.get("timing/train", {}).get("tokens_per_s"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="default", help="profiles/<name>.yaml, or default: params.yaml")
+    ap.add_argument("--options", nargs="+", default=["topk", "align"], choices=sorted(OPTIONS))
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/eaglenest-recipe"))
+    ap.add_argument("--budget", type=float, default=7200, help="seconds this command may take")
+    ap.add_argument("--jobs", type=int, default=1, help="experiments at once (one per GPU's memory, one on 2 cores)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/recipe.json"))
+    a = ap.parse_args()
+    end = time.time() + a.budget
+    g = [sys.executable, "-m", "tools.offline_gpu", "--workdir", str(a.workdir)]
+    left = lambda: str(max(0, round(end - time.time())))  # noqa: E731
+    subprocess.run([*g, "setup", "--profile", a.profile], check=True)
+    run = subprocess.run([*g, "run", "--budget", left()], capture_output=True, text=True)
+    print(run.stdout[-3000:], run.stderr[-3000:], flush=True)
+    if run.returncode != 0 or "all stages done" not in run.stdout:
+        sys.exit(3)  # the baseline goes on next time
+    for name in a.options:
+        subprocess.run([*g, "enqueue", name, *[x for s in OPTIONS[name] for x in ("-S", s)]], check=True)
+    subprocess.run([*g, "queue", "--jobs", str(a.jobs), "--budget", left()], check=True)
+    state = a.workdir / ".offline_gpu"
+    done = json.loads((state / "experiments.json").read_text()) if (state / "experiments.json").exists() else {}
+    if any(n not in done for n in a.options):
+        print(f"not every option has run ({sorted(done)} of {a.options}); run again")
+        sys.exit(3)
+    reports = a.workdir / "reports"
+    load = lambda rel: json.loads((reports / rel).read_text()) if (reports / rel).exists() else {}  # noqa: E731
+    base = figures({n: load(f"{n}.json") for n in ("evaluate", "train", "evaluate_questions", "timing/train")})
+    rows = {"baseline": base}
+    for name in a.options:
+        f = figures(done[name])
+        f["set"] = OPTIONS[name]
+        f["tau_gain"] = {k: round(v / base["tau"][k] - 1, 4) for k, v in f["tau"].items() if k in base["tau"]}
+        rows[name] = f
+    cpu = load("train.json").get("cpu")
+    results = json.loads(a.out.read_text()) if a.out.exists() else {}
+    results[a.profile] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "runs": rows}
+    write_json(a.out, results)
+    print(json.dumps({n: (r["tau"], r.get("tau_gain")) for n, r in rows.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
