@@ -80,10 +80,9 @@ def _extract_part(
     input_sha = sha256_file(tokenized_file(tokenized))
     work_key = sha256_text(input_sha, target.fingerprint, efp, str(asdict(layout)), PLAN)
     work = WorkDir(work_root, part, work_key)
-    if not work.committed() and hasattr(backend, "start_load"):  # not a resume: the target will be needed
-        backend.start_load()  # it loads (and its kernels build) while the part is read and planned
     # the gate's reference, whole or streamed (`reference.choose_streamed`), chosen before any work: a
-    # checkpoint, architecture or memory budget it cannot work with fails the part with nothing written
+    # checkpoint, architecture or memory budget it cannot work with fails the part with nothing written.
+    # Before the backend loads: `beside` counts the extraction's weights as still to come
     streamed = replay = None
     if gate_samples(validate_cfg) > 0:
         streamed, why = choose_streamed(target, described.get("device", "cpu"), validate_cfg or {},
@@ -91,6 +90,8 @@ def _extract_part(
         replay = replays_routing(validate_cfg or {}, model_config(target))
         log.info("%s: the gate's float32 reference on %s: %s%s", part, described.get("device", "cpu"), why,
                  "; it replays the experts the bf16 forward chose" if replay else "")  # fmt: skip
+    if not work.committed() and hasattr(backend, "start_load"):  # not a resume: the target will be needed
+        backend.start_load()  # it loads (and its kernels build) while the part is read and planned
     names, seqs = read_tokenized(tokenized)
     if not seqs:
         raise EaglenestError(f"{tokenized}: no samples to extract")

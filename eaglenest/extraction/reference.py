@@ -33,7 +33,8 @@ def choose_streamed(target: Target, device: str, cfg: dict, beside: bool = False
     """Whether the gate's reference streams its weights a layer at a time, and why (logged).
     `validate.reference`: whole, streamed, or auto (streamed when the whole float32 model does not fit
     HEADROOM of `validate.reference_memory_gb`, auto: the device's free memory when the part starts,
-    less, with `beside` on a GPU, the extraction's bf16 copy of the weights, which may still be loading)."""
+    less, with `beside` on a GPU, what this process does not yet hold of the extraction's bf16 copy of
+    the weights)."""
     mode, budget = cfg.get("reference", "auto"), cfg.get("reference_memory_gb", "auto")
     causal_lm_config(target.model_dir)  # an architecture transformers cannot build fails here, not after the work
     if mode == "whole":
@@ -47,7 +48,8 @@ def choose_streamed(target: Target, device: str, cfg: dict, beside: bool = False
     whole, layer, rest = index.model_float32_bytes(), index.largest_layer_bytes(), index.float32_bytes(None)
     free = free_bytes(device) if budget == "auto" else int(float(budget) * 1e9)
     less = budget == "auto" and beside and device.startswith("cuda")
-    free = max(0, free - whole // 2) if less else free
+    if less:  # the part of the bf16 copy this process does not hold yet (a backend loaded before counts once)
+        free = max(0, free - max(0, whole // 2 - torch.cuda.memory_allocated(torch.device(device))))
     said = f"float32 model {size(whole)}, budget {size(free)} ({budget}{', less the extraction' * less})"
     if mode == "auto" and whole <= HEADROOM * free:
         return False, f"whole model: {said}"
