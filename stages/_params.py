@@ -242,11 +242,20 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
             )
 
 
+def validate_across(params: dict) -> None:
+    """Rules between sections, after each key's own: the top-K term takes the teacher's K likeliest of
+    the draft vocabulary's tokens."""
+    topk, vocab = params["train"]["topk"], params["pack"]["draft_vocab_size"]
+    if topk > vocab:
+        raise EaglenestError(f"{PARAMS}: `train.topk` is {topk}; it must be at most `pack.draft_vocab_size` ({vocab})")
+
+
 def load(section: str | None = None) -> dict:
     if not PARAMS.is_file():
         raise EaglenestError(f"{PARAMS.resolve()}: not found; run stages from the repository root")
     params = load_yaml(PARAMS) or {}  # a key set twice is refused, as DVC refuses it
     validate(params)
+    validate_across(params)
     if section is None:
         return params
     if section not in params:

@@ -170,6 +170,18 @@ def test_a_params_file_that_sets_a_key_twice_is_refused_naming_the_key_and_lines
     assert (tmp_path / "params.yaml").read_text() == (REPO / "params.yaml").read_text()  # untouched
 
 
+def test_a_top_k_term_wider_than_the_draft_vocabulary_is_refused_before_training(tmp_path):
+    """train.topk takes the teacher's K likeliest draft tokens: more than the draft vocabulary holds
+    fails at the params check, naming both keys, before any stage's work."""
+    text = (REPO / "params.yaml").read_text().replace("  topk: 0 ", "  topk: 9000 ", 1)
+    assert "topk: 9000" in text
+    (tmp_path / "params.yaml").write_text(text)
+    for args in (["stages.train"], ["stages.pack"]):
+        assert_fails_naming(
+            stage(args, tmp_path), "`train.topk` is 9000; it must be at most `pack.draft_vocab_size` (8192)"
+        )
+
+
 @pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "x..y", "", "/abs"])
 def test_a_name_that_becomes_a_path_is_a_plain_name(tmp_path, name):
     """Parts (listed, declared as ShareGPT or synthetic parts, or given to a stage), and profiles:
