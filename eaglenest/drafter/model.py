@@ -258,8 +258,3 @@ class FrozenEmbedding(torch.nn.Module):
 def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
     """x[:, s:] padded with zeros at the end to the same length."""
     return torch.cat([x[:, s:], torch.zeros_like(x[:, :s])], 1) if s else x
-
-
-def soft_ce(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
-    """Per-position soft cross-entropy (= forward KL + const)."""
-    return -(target_p * F.log_softmax(logits.float(), -1)).sum(-1)

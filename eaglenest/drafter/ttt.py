@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from eaglenest.drafter.fused_loss import steps_linear_soft_ce, teacher_targets
 from eaglenest.drafter.model import shift_left as shift
-from eaglenest.drafter.model import soft_ce
 
 
 class Recipe(NamedTuple):
@@ -78,7 +77,7 @@ def ttt_loss(
         target, top = shift(teacher_p, 1 + k), shift(teacher_top, 1 + k)
         m = masks[k]
         logp = F.log_softmax(logits.float(), -1)
-        ce = soft_ce(logits, target)
+        ce = -(target * logp).sum(-1)  # soft CE (= forward KL + const), its log-probabilities reused below
         objective = ce
         if recipe.topk:
             on_top = torch.zeros_like(target).scatter_(-1, target.topk(recipe.topk, -1).indices, recipe.topk_weight)
