@@ -244,9 +244,10 @@ def validate(params, schema=SCHEMA, where: str = "") -> None:
 
 def validate_across(params: dict) -> None:
     """Rules between sections, after each key's own: the top-K term takes the teacher's K likeliest of
-    the draft vocabulary's tokens."""
-    topk, vocab = params["train"]["topk"], params["pack"]["draft_vocab_size"]
-    if topk > vocab:
+    the draft vocabulary's tokens. A workspace may hold only the sections its stages read."""
+    topk = (params.get("train") or {}).get("topk")
+    vocab = (params.get("pack") or {}).get("draft_vocab_size")
+    if topk is not None and vocab is not None and topk > vocab:
         raise EaglenestError(f"{PARAMS}: `train.topk` is {topk}; it must be at most `pack.draft_vocab_size` ({vocab})")
 
 
