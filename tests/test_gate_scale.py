@@ -13,9 +13,11 @@ import pytest
 from eaglenest.extraction.backends.hf import HFBackend
 from eaglenest.extraction.checkpoint_index import CheckpointIndex
 from eaglenest.extraction.loop import GateFailed, extract_part
+from eaglenest.extraction.plan import plan_pieces, plan_windows, window_batches
 from eaglenest.extraction.reference import Reference
 from eaglenest.extraction.reference_process import LocalReference, choose
 from eaglenest.runtime.errors import EaglenestError
+from eaglenest.store.hidden_store import HiddenStore
 from eaglenest.target.directory import materialize
 from eaglenest.target.random_weights import build
 
@@ -56,7 +58,7 @@ WIDE = {
 }
 
 
-def extract(target, tmp_path, backend=None, validate=None, samples=None, name="p"):
+def extract(target, tmp_path, backend=None, validate=None, samples=None, name="p", batch_tokens=512):
     seqs = samples or random_samples(12, min(20000, target.vocab_size), 40, 120, seed=5)
     tok = write_tokenized(tmp_path / f"{name}.parquet", seqs)
     return extract_part(
@@ -71,7 +73,7 @@ def extract(target, tmp_path, backend=None, validate=None, samples=None, name="p
         validate_cfg={**gate(6), **(validate or {})},
         out_dir=tmp_path / "hidden" / name,
         work_root=tmp_path / "work",
-        batch_tokens=512,
+        batch_tokens=batch_tokens,
         max_seq_len=128,
         progress=False,
     )
@@ -229,3 +231,50 @@ def test_what_the_reference_cannot_use_fails_before_anything_is_written(random_t
     config = (alien / "config.json").read_text().replace('"deepseek_v3"', '"nonesuch_moe"')
     (alien / "config.json").write_text(config)
     fails(dataclasses.replace(target, model_dir=alien), r"cannot build architecture 'nonesuch_moe'")
+
+
+def test_the_reference_takes_its_states_while_the_part_runs(random_targets, tmp_path):
+    """On a GPU the gate's reference runs in a process of its own. A mixture of experts' extraction runs
+    the windows holding the gate's samples first and hands their experts over once all are kept, so the
+    reference takes its states beside the rest of the part: the same figures as a comparison given
+    the experts at the end, and the part's own (in the stage's process, as on the CPU)."""
+    from eaglenest.extraction.reference_process import ReferenceProcess
+
+    class Watched(HFBackend):  # notes when the experts were handed over
+        def watch_routing(self, samples, then=None):
+            def kept(chosen):
+                self.kept_after = (self.capture.forwards, dict(chosen))
+                then(chosen)
+
+            return super().watch_routing(samples, then=kept)
+
+    target = random_targets["deepseek-v3-0"]
+    seqs = random_samples(60, min(20000, target.vocab_size), 20, 50, seed=5)
+    backend = Watched(target, TAPS, device="cpu")
+    m = extract(target, tmp_path, backend=backend, validate={"samples": 2}, samples=seqs, batch_tokens=64)
+    forwards, chosen = backend.kept_after
+    # the planned windows (`plan`): all kept within those holding a gate sample, run before the rest
+    lengths, gate_set = [len(x) for x in seqs], set(choose(len(seqs), 2, 0))
+    shard_tokens = HiddenStore(tmp_path / "hidden" / "p").attrs["layout"]["shard_tokens"]
+    windows = plan_windows(plan_pieces(lengths, shard_tokens), lengths, 64)
+    holding = [any(i in gate_set for p in w for i in p.samples) for w in windows]
+    batches = [len(window_batches(w, lengths, 64)) for w in windows]
+    assert sum(holding) < len(windows) and not holding[0], "the test needs a window to skip ahead of"
+    ahead = [b for b, h in zip(batches, holding) if h]  # the batches run first, in the windows' order
+    assert sum(ahead[:-1]) < forwards <= sum(ahead) < backend.capture.forwards == sum(batches)
+    assert m["validation"]["passed"] and len(chosen) == 2
+    figures = {}
+    for ahead in (True, False):
+        ref = ReferenceProcess(target, TAPS, "cpu", tmp_path / "p.parquet", choose(len(seqs), 2, 0), replay=True,
+                               captured=True)  # fmt: skip
+        try:
+            if ahead:
+                ref.take_routing(chosen)
+            figures[ahead], passed = ref.compare(tmp_path / "hidden" / "p", {**gate(2), "token_quantile": 0.98},
+                                                 None if ahead else chosen)  # fmt: skip
+        finally:
+            ref.close()
+        assert passed and figures[ahead]["reference"]["routing"]["chosen_by"]["extraction"] == 2
+    assert figures[True]["reference_states_s"] > 0 and "reference_states_s" not in figures[False]
+    for key in ("taps", "margin"):
+        assert figures[True][key] == figures[False][key] == m["validation"][key], key

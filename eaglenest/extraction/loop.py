@@ -145,7 +145,15 @@ def _extract_part(
         if n_gate > 0:
             chosen = choose(len(seqs), n_gate, seed)
             # a mixture of experts: the gate replays the experts this very forward chose (`routing.Capture`)
-            captured = replay and hasattr(backend, "watch_routing") and backend.watch_routing([seqs[i] for i in chosen])
+            # handed to the reference as soon as kept (`reference` is bound by then: the loop has begun)
+            captured = (
+                replay
+                and hasattr(backend, "watch_routing")
+                and backend.watch_routing([seqs[i] for i in chosen], then=lambda kept: reference.take_routing(kept))
+            )
+            if captured:  # the windows holding the gate's samples first: the reference's states beside the rest
+                gate_set = set(chosen)
+                mine.sort(key=lambda w: not any(i in gate_set for p in w for i in p.samples))
             reference = start_reference(target, taps, described.get("device", "cpu"), tokenized, chosen, streamed,
                                         replay, captured)  # fmt: skip
         if mine and getattr(backend, "loaded", True) is False:  # the hf backend (or waits for `start_load`)

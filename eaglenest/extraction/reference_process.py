@@ -11,8 +11,8 @@ the samples are the seeded choice the gate always made. On the CPU the reference
 extracting process, after the loop (`LocalReference`): there it has no compile or launch-bound loop
 to stay clear of, and a second process's start, imports and load only compete with the extraction
 for the same cores. A mixture of experts whose extraction keeps its own routing for the gate's samples
-(`routing.Capture`): the process loads while the part runs and takes the states once the routing comes
-with the comparison."""
+(`routing.Capture`): the process loads while the part runs, and takes the states as soon as the
+extraction has run the gate's samples (their windows go first) and hands their experts over."""
 
 import logging
 import multiprocessing
@@ -87,6 +87,9 @@ class LocalReference:
         metrics.update(reference_load_s=round(load_s, 2), reference_states_s=0.0)
         return metrics, passed
 
+    def take_routing(self, chosen: dict) -> None:
+        """Nothing ahead: here the comparison takes the experts and the states."""
+
     def close(self) -> None:
         pass
 
@@ -108,6 +111,7 @@ class ReferenceProcess:
     ):
         self.chosen = chosen
         self.ready = None  # what the process reports once its states are taken
+        self.sending = None  # the thread handing over the experts ahead of the comparison (`take_routing`)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state inherited
         self.conn, child = ctx.Pipe()
         job = (target, list(taps), device, str(tokenized), chosen, streamed, replay, captured, os.getpid())
@@ -127,29 +131,52 @@ class ReferenceProcess:
             raise EaglenestError(f"validation gate: the reference failed ({what}): {msg['error']}; nothing committed")
         return msg
 
+    def take_routing(self, chosen: dict) -> None:
+        """The experts the extraction's forward chose for the chosen samples (`routing.Capture`), as soon
+        as it has them: the process takes its states from them while the part runs on. Sent from a
+        thread: the process may still be loading, and a pipe holds less than the experts."""
+        if self.sending is None:
+            msg = {"routing": _by_value(chosen)}
+            self.sending = threading.Thread(target=self._send, args=(msg,), name="gate-routing")
+            self.sending.start()
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, OSError):  # the process died: `compare` says so
+            pass
+
     def compare(self, store: Path, thresholds: dict, routing: dict | None = None) -> tuple[dict, bool]:
-        """Waits for the reference's states (or its load, where they wait for `routing`), then has the
-        process compare the store's samples."""
+        """Waits for the reference's states (or its load, where they wait for the experts), then has the
+        process compare the store's samples. `routing`: the experts, where `take_routing` did not
+        hand them over ahead."""
         t = time.perf_counter()
         self.ready = self._recv("loading the float32 reference")
+        if self.sending is not None:  # the experts went ahead: their states come next
+            self.sending.join()
+            self.ready |= self._recv("taking the reference's states")
+            routing = None
         waited = time.perf_counter() - t
-        routing = {k: [c.numpy() for c in v] for k, v in (routing or {}).items()}  # pickled by value
-        self.conn.send((str(store), thresholds, routing))
+        self.conn.send({"compare": (str(store), thresholds, _by_value(routing or {}))})
         metrics, passed = self._recv("comparing")["result"]
         metrics["reference_wait_s"] = round(waited, 2)  # what the part waited for the states, if anything
         metrics.update(self.ready)
         return metrics, passed
 
     def close(self) -> None:
-        try:
-            self.conn.send(None)  # no comparison (a failed run): the process ends
-        except (BrokenPipeError, OSError):
-            pass
+        if self.sending is not None:  # never two writers on the pipe
+            self.sending.join()
+        self._send(None)  # no comparison (a failed run): the process ends
         self.proc.join(timeout=30)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
         self.conn.close()
+
+
+def _by_value(chosen: dict) -> dict:
+    """Experts per sample as numpy arrays: pickled by value, not through shared memory."""
+    return {k: [c.numpy() if hasattr(c, "numpy") else c for c in v] for k, v in chosen.items()}
 
 
 def _compare(ref, store: Path, chosen: list[int], cfg: dict, target_config: dict) -> tuple[dict, bool]:
@@ -194,18 +221,26 @@ def _serve(job, conn) -> None:
 
         t = time.perf_counter()
         ref = Reference(target, taps, device, streamed, replay)
-        loaded = time.perf_counter()
-        ready = {"reference_load_s": round(loaded - t, 2)}
-        if not captured:  # the states now, while the extraction loads and compiles; then only the head kept
-            seqs = read_tokenized(Path(tokenized))[1]
+        ready = {"reference_load_s": round(time.perf_counter() - t, 2)}
+
+        def states() -> dict:  # the chosen samples' states, then only the head kept
+            t = time.perf_counter()
             ref.precompute([seqs[i] for i in chosen])
-            ready["reference"] = ref.memory()
+            figures = {"reference": ref.memory()}
             ref.keep_head_only()
-            ready["reference_states_s"] = round(time.perf_counter() - loaded, 2)
+            return figures | {"reference_states_s": round(time.perf_counter() - t, 2)}
+
+        seqs = read_tokenized(Path(tokenized))[1]
+        if not captured:  # now, while the extraction loads and compiles
+            ready |= states()
         conn.send(ready)
         msg = conn.recv()
+        if msg is not None and "routing" in msg:  # the extraction's experts, while its part runs on
+            ref.take_routing(msg["routing"])
+            conn.send(states())
+            msg = conn.recv()
         if msg is not None:
-            store, thresholds, routing = msg
+            store, thresholds, routing = msg["compare"]
             if routing:
                 ref.take_routing(routing)
             conn.send({"result": _compare(ref, Path(store), chosen, thresholds, model_config(target))})

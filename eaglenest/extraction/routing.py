@@ -43,10 +43,13 @@ def sample_key(ids) -> bytes:
 class Capture:
     """The experts a model's own forward chose for some samples while it extracts them (batched,
     right-padded rows): kept in a `Routing` for the gate's reference to replay. `before(batch)` and
-    `after(length)` bracket each forward; only a batch holding one of the samples keeps anything."""
+    `after(length)` bracket each forward; only a batch holding one of the samples keeps anything.
+    `then(chosen)` is called once, as soon as every sample's experts are kept: a reference in a
+    process of its own takes its states from there while the part runs on."""
 
-    def __init__(self, model, samples: list):
-        self.routing, self.want = Routing(), {sample_key(x) for x in samples}
+    def __init__(self, model, samples: list, then=None):
+        self.routing, self.want, self.then = Routing(), {sample_key(x) for x in samples}, then
+        self.forwards, self.complete_after = 0, None  # forwards run; how many had run when all were kept
         self._calls, self._rows = None, []
         self._hooks = [r.register_forward_hook(self._hook) for r in routers(model)]
 
@@ -55,6 +58,7 @@ class Capture:
             self._calls.append(out[2])
 
     def before(self, batch: list) -> None:
+        self.forwards += 1
         self._rows = [(b, sample_key(x), len(x)) for b, x in enumerate(batch) if sample_key(x) in self.want]
         self._calls = [] if self._rows else None
 
@@ -62,6 +66,10 @@ class Capture:
         for b, key, n in self._rows if self._calls else []:
             self.routing.chosen[key] = [c.view(-1, length, c.shape[-1])[b, :n].cpu() for c in self._calls]
         self._calls, self._rows = None, []
+        if self.complete_after is None and self.want <= self.routing.chosen.keys():
+            self.complete_after = self.forwards
+            if self.then is not None:
+                self.then(self.routing.chosen)
 
     def close(self) -> None:
         for h in self._hooks:

@@ -76,7 +76,7 @@ class HFBackend:
         self.compiling = None  # hf_compile.LayerCompile until the first batch
         self.loading, self.load_error = None, None  # `start_load`'s thread, what it raised
         self.states = state_format.check(states)
-        self.watched, self.capture = None, None  # the gate's samples, whose experts are kept (`watch_routing`)
+        self.watched, self.watch_then, self.capture = None, None, None  # the gate's samples (`watch_routing`)
         self.warm = not self.compile  # eager needs no warming
         self.timings = {}  # load_s, warm_up_s: the fixed cost a part's metrics itemise
 
@@ -189,12 +189,13 @@ class HFBackend:
         aux = torch.stack(kept, dim=2)
         return (aux if self._order is None else aux[:, :, self._order]), final
 
-    def watch_routing(self, samples: list) -> bool:
+    def watch_routing(self, samples: list, then=None) -> bool:
         """Keep the experts transformers' uncompiled forward chooses for these samples (a mixture of
-        experts), for the gate's reference to replay (`routing`); False where nothing is kept."""
+        experts), for the gate's reference to replay (`routing`); `then(chosen)` once all are kept.
+        False where nothing is kept."""
         if self.own is not None or self.compile or not is_moe(model_config(self.target)):
             return False
-        self.watched = samples
+        self.watched, self.watch_then = samples, then
         return True
 
     routing = property(lambda self: self.capture.routing if self.capture is not None else None)
@@ -271,7 +272,7 @@ class HFBackend:
         if not self.warm:
             self.warm_up(ids)
         if self.watched is not None and self.capture is None:
-            self.capture = Capture(self.decoder, self.watched)
+            self.capture = Capture(self.decoder, self.watched, self.watch_then)
         if self.capture is not None:
             self.capture.before(batch)
         aux, final = self.forward(ids)
