@@ -22,7 +22,8 @@ expert-flip figures, the streamed peak; three defects through the live gate (tap
 layer, the final norm skipped, another seed's weights); a dense Llama target of equal active
 parameters extracted from the same part, its gate live too (the MFU comparison); last, the MoE with each of
 transformers' layers compiled (the path the hf backend no longer takes for a mixture of experts).
-Writes $BENCH_OUT/moe_real_width.json (default bench/out)."""
+Writes $BENCH_OUT/moe_real_width.json (default bench/out). --stage-only: the part's wall clock alone, MoE
+and dense, into moe_real_width_stage.json (a short run)."""
 
 import argparse
 import gc
@@ -37,6 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench/out"))
+NAME = "moe_real_width.json"
 
 
 def sync():
@@ -188,7 +190,12 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, help="a tokenizer directory (the built-in target's)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/moe_work"))
     ap.add_argument("--tokens", type=int, default=300_000)
+    ap.add_argument("--stage-only", action="store_true",
+                    help="with --pipeline: only the part's wall clock, MoE and dense (no routing figures, second "
+                    "gate, defects or compiled layers); writes moe_real_width_stage.json")  # fmt: skip
     a = ap.parse_args()
+    global NAME
+    NAME = "moe_real_width_stage.json" if a.stage_only else NAME
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("eaglenest").setLevel(logging.INFO)  # the parts' host path and gate lines
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -215,8 +222,9 @@ def main() -> None:
             res["moe"][impl]["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
         print(impl, res["moe"][impl], flush=True)
     model.set_experts_implementation("grouped_mm")
-    res["routing"] = routing_flips(model, batches[0][:, : min(a.seq, 1024)])
-    print(json.dumps(res["routing"], indent=1), flush=True)
+    if not a.stage_only:
+        res["routing"] = routing_flips(model, batches[0][:, : min(a.seq, 1024)])
+        print(json.dumps(res["routing"], indent=1), flush=True)
     active = res["moe_params"]["active_non_embedding"]
     del model
     if dev == "cuda":
@@ -241,7 +249,7 @@ def main() -> None:
 
 def save(res: dict) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "moe_real_width.json").write_text(json.dumps(res, indent=1) + "\n")
+    (OUT / NAME).write_text(json.dumps(res, indent=1) + "\n")
 
 
 def du(path: Path) -> int:
@@ -287,8 +295,9 @@ def pipeline(res: dict, a, cfg, peak: float, dev: str) -> None:
     res["disk"] |= {"measured_store_bytes": measured, "measured_over_plan": round(measured / plan, 4)}
     print(json.dumps(res["disk"]), flush=True)
     save(res)
-    gate_both_ways(res, w / "hidden" / "moe", target, taps, tok, seqs, dev, captured)
-    defects(res, run, target, seqs)
+    if not a.stage_only:
+        gate_both_ways(res, w / "hidden" / "moe", target, taps, tok, seqs, dev, captured)
+        defects(res, run, target, seqs)
     shutil.rmtree(w / "hidden", ignore_errors=True)
     # the dense comparison: a Llama of equal active parameters, extracted from the same part
     h, L = cfg.hidden_size, cfg.num_hidden_layers
@@ -304,6 +313,8 @@ def pipeline(res: dict, a, cfg, peak: float, dev: str) -> None:
     print("extract MFU MoE / dense", res["extract_mfu_moe_over_dense"], flush=True)
     save(res)
     shutil.rmtree(w / "hidden", ignore_errors=True)
+    if a.stage_only:
+        return
     # last, as it may take long: each of transformers' layers compiled (the hf backend's path before)
     run.extract("moe_layers_compiled", target, "layers", res["moe_params"]["active_non_embedding"], gate=False)
     save(res)
