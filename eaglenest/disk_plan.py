@@ -155,7 +155,11 @@ def for_params(params: dict, repo: Path) -> dict:
     for f in (repo / "reports" / "timing" / "extract").glob("*.json"):
         rate = json.loads(f.read_text()).get("tokens_per_s")
         rates += [rate] if rate else []
+    stored, bf16 = target_weights(target.model_dir)
     return {
+        "target_weights_bytes": stored,
+        "target_bf16_bytes": bf16,  # the extraction's copy on a GPU
+        "gpu_bytes": gpu_bytes(),
         "states": states,
         "row_bytes": shape.row,
         "compression_ratio": round(ratio, 3),
@@ -171,3 +175,29 @@ def for_params(params: dict, repo: Path) -> dict:
         "free_bytes": shutil.disk_usage(_filesystem(repo / "data")[1]).free,
         "extract_hours": round(tokens / (sum(rates) / len(rates)) / 3600, 2) if rates and tokens else None,
     }
+
+
+def target_weights(model_dir: Path) -> tuple[int, int]:
+    """The target's weight files as stored, and its tensors in bf16 (what the extraction's copy takes
+    on a GPU): from the safetensors headers (a .bin file counts as stored)."""
+    from eaglenest.target.files import WEIGHT_SUFFIXES
+
+    stored = bf16 = 0
+    for p in Path(model_dir).iterdir():
+        if p.suffix not in WEIGHT_SUFFIXES:
+            continue
+        stored += p.stat().st_size
+        if p.suffix != ".safetensors":
+            bf16 += p.stat().st_size
+            continue
+        with open(p, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        bf16 += sum(2 * int(np.prod(t["shape"])) for k, t in header.items() if k != "__metadata__")
+    return stored, bf16
+
+
+def gpu_bytes() -> int | None:
+    """The first GPU's memory, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None

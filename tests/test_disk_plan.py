@@ -5,10 +5,12 @@ before anything loads or is written."""
 import json
 import shutil
 
+import numpy as np
 import yaml
 
 from eaglenest.disk_plan import for_params
 from eaglenest.store.hidden_store import HiddenStore
+from eaglenest.target.directory import load_target
 
 from .conftest import base_params, random_samples, run_py, stage_workspace, write_tokenized
 
@@ -45,6 +47,17 @@ def test_plan_estimates_the_stores_and_pack_it_made(tiny_packed, tmp_path):
     packed = sum(f.stat().st_size for f in (ws / "data" / "packed").rglob("*") if f.is_file())
     assert 0.5 < plan["pack_bytes"] / packed < 2, (plan["pack_bytes"], packed)
     assert plan["pack_bytes"] < 0.1 * plan["stores_bytes"]
+    # the target's weights: as stored, and in bf16 (what a GPU holds), counted from its tensors
+    from safetensors import safe_open
+
+    model_dir = load_target(ws / "data" / "target").model_dir
+    files = [f for f in model_dir.iterdir() if f.suffix == ".safetensors"]
+    numel = 0
+    for f in files:
+        with safe_open(f, "pt") as st:
+            numel += sum(int(np.prod(st.get_slice(k).get_shape())) for k in st.keys())
+    assert plan["target_weights_bytes"] == sum(f.stat().st_size for f in files) > 0
+    assert plan["target_bf16_bytes"] == 2 * numel and plan["gpu_bytes"] is None  # no GPU here
 
 
 def test_extract_refuses_a_part_the_disk_cannot_hold_before_it_starts(tiny_target, tmp_path):

@@ -278,3 +278,25 @@ def test_the_reference_takes_its_states_while_the_part_runs(random_targets, tmp_
     assert figures[True]["reference_states_s"] > 0 and "reference_states_s" not in figures[False]
     for key in ("taps", "margin"):
         assert figures[True][key] == figures[False][key] == m["validation"][key], key
+
+
+def test_the_target_stage_builds_a_random_target_from_its_spec(tmp_path):
+    """`target.path: random:<arch>[:<width>]`: drawn with seed 0 and the built-in target's tokenizer, the
+    same fingerprint each time; v2-lite is the real-width shape measured in bench/RESULTS.md (15.75B
+    parameters); an unknown architecture or width is named."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from eaglenest.target.random_weights import parse_spec
+
+    a, b = (materialize("random:deepseek-v3", tmp_path / name) for name in ("a", "b"))
+    assert a.fingerprint == b.fingerprint and a.num_layers == 6 and a.model_dir == tmp_path / "a" / "model"
+    assert (a.model_dir / "tokenizer_config.json").is_file() and a.spec == "random:deepseek-v3"
+    arch, shape = parse_spec("random:deepseek-v3:v2-lite")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(DeepseekV3Config(**shape))
+    assert arch == "deepseek-v3" and sum(p.numel() for p in model.parameters()) == 15_748_993_024
+    widths = r"no width 'v2-lite' for llama \(known: random:deepseek-v3:v2-lite\)"
+    for spec, match in (("random:nonesuch", "architecture 'nonesuch' is not one of"), ("random:llama:v2-lite", widths)):
+        with pytest.raises(EaglenestError, match=match):
+            materialize(spec, tmp_path / "c")

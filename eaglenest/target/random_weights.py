@@ -3,7 +3,9 @@ already on disk (the built-in target's), for runs where no such model can be dow
 
     python -m eaglenest.target.random_weights deepseek-v3 data/targets/dsv3 --tokenizer data/target/model
 
-then `target.path: data/targets/dsv3` in params.yaml. The weights are random (seeded): the states
+then `target.path: data/targets/dsv3` in params.yaml; or `target.path: random:deepseek-v3[:v2-lite]`,
+which the `target` stage builds itself (seed 0, the built-in target's tokenizer, on a GPU if there is
+one; `WIDTHS`: a real width). The weights are random (seeded): the states
 and drafters they give exercise the pipeline and the gate, not a language model's quality."""
 
 import argparse
@@ -39,6 +41,27 @@ ARCHITECTURES = {
                                          "max_position_embeddings": 163840, "rope_parameters": DEEPSEEK_V3_ROPE,
                                          "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
 }  # fmt: skip
+# Real widths over an architecture's tiny shape. v2-lite: DeepSeek-V2-Lite's size with V3's router,
+# 15.7B parameters, 2.28B active (bench/RESULTS.md, "A mixture of experts at real width").
+WIDTHS = {
+    ("deepseek-v3", "v2-lite"): {"hidden_size": 2048, "num_hidden_layers": 27, "intermediate_size": 10944,
+                                 "moe_intermediate_size": 1408, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                 "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "n_group": 8,
+                                 "topk_group": 4, "first_k_dense_replace": 1, "q_lora_rank": 1536,
+                                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                 "v_head_dim": 128, "vocab_size": 102400},
+}  # fmt: skip
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`random:<arch>[:<width>]` (target.path) -> (arch, config fields over the tiny shape)."""
+    arch, _, width = spec.removeprefix("random:").partition(":")
+    if arch not in ARCHITECTURES:
+        raise EaglenestError(f"target.path {spec!r}: architecture {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    if width and (arch, width) not in WIDTHS:
+        known = ", ".join(f"random:{a}:{w}" for a, w in WIDTHS) or "none"
+        raise EaglenestError(f"target.path {spec!r}: no width {width!r} for {arch} (known: {known})")
+    return arch, dict(WIDTHS.get((arch, width), {}))
 
 
 def build(
