@@ -60,17 +60,15 @@ def matmul_peak(dev: str) -> float:
 
 
 def moe_config(layers: int, small: bool) -> DeepseekV3Config:
-    w = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_attention_heads=16,
-             num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, vocab_size=102400)  # fmt: skip
+    """The v2-lite width the `target` stage builds (`random:deepseek-v3:v2-lite`), or --small's."""
+    from eaglenest.target.random_weights import WIDTHS
+
+    w = dict(WIDTHS[("deepseek-v3", "v2-lite")], num_hidden_layers=layers)
     if small:
-        w = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, vocab_size=49152)  # fmt: skip
-    return DeepseekV3Config(
-        num_hidden_layers=layers, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
-        n_group=8, topk_group=4, first_k_dense_replace=1, qk_nope_head_dim=128 if not small else 32,
-        qk_rope_head_dim=64 if not small else 16, v_head_dim=128 if not small else 32,
-        max_position_embeddings=8192, **w,
-    )  # fmt: skip
+        w |= dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, vocab_size=49152, qk_nope_head_dim=32,
+                  qk_rope_head_dim=16, v_head_dim=32)  # fmt: skip
+    return DeepseekV3Config(max_position_embeddings=8192, **w)
 
 
 def active_params(model, cfg) -> dict:
