@@ -4,26 +4,27 @@ offers) against a dense Llama of equal active parameters, and how often bf16 rou
 other experts than float32 does, with the float32 router's margin on those tokens.
 
     python -m bench.moe_real_width [--layers 27] [--batch 4] [--seq 2048] [--steps 5] [--small]
-                                   [--pipeline --tokenizer DIR --work DIR --tokens 300000]
+                                   [--pipeline --tokenizer DIR --work DIR --tokens 300000 [--stage-only]]
 
-Shape (DeepSeek-V2-Lite's size with V3's router): hidden 2048, MLA with a q LoRA (1536) and kv LoRA
-(512), 64 routed experts (moe_intermediate 1408), 6 active, 2 shared, sigmoid routing limited to 4
-of 8 groups, the first layer dense (intermediate 10944), vocabulary 102,400. MFU = 2 x active
+Shape: `random_weights.WIDTHS` v2-lite, the width `target.path: random:deepseek-v3:v2-lite` builds
+(DeepSeek-V2-Lite's size with V3's router): hidden 2048, MLA with a q LoRA (1536) and kv LoRA (512),
+64 routed experts (moe_intermediate 1408), 6 active, 2 shared, sigmoid routing limited to 4 of 8
+groups, the first layer dense (intermediate 10944), vocabulary 102,400. MFU = 2 x active
 non-embedding parameters x tokens / time / the bf16 matmul peak measured in the same run (the
 decoder only, as extraction runs it: no lm_head). --small: the same code on a tiny shape (CPU).
 
 --pipeline: then the target saved as sharded safetensors (`eaglenest.target.random_weights`, drawn on
 the GPU), `eaglenest plan`'s bytes for it, one part of random token ids extracted by the hf backend
 as the stage does (`extract_part`: fp8 states, compile auto, the gate live, replaying the experts
-the extraction's forward chose), its wall clock (the part's own: load, loop, gate, publish) and MFU;
-the gate again on the same store with the
-same experts, its reference whole and then streamed (forced): the figures side by side, the
-expert-flip figures, the streamed peak; three defects through the live gate (taps shifted by one
-layer, the final norm skipped, another seed's weights); a dense Llama target of equal active
-parameters extracted from the same part, its gate live too (the MFU comparison); last, the MoE with each of
-transformers' layers compiled (the path the hf backend no longer takes for a mixture of experts).
-Writes $BENCH_OUT/moe_real_width.json (default bench/out). --stage-only: the part's wall clock alone, MoE
-and dense, into moe_real_width_stage.json (a short run)."""
+the extraction's forward chose), its wall clock (the part's own: load, loop, gate, publish) and
+MFU; the gate again on the same store with the same experts, its reference whole and then streamed
+(forced): the figures side by side, the expert-flip figures, the streamed peak; three defects
+through the live gate (taps shifted by one layer, the final norm skipped, another seed's weights);
+a dense Llama target of equal active parameters extracted from the same part, its gate live too
+(the MFU comparison); last, the MoE with each of transformers' layers compiled (the path the hf
+backend no longer takes for a mixture of experts). Writes $BENCH_OUT/moe_real_width.json (default
+bench/out). --stage-only: the part's wall clock alone, MoE and dense, into
+moe_real_width_stage.json (a short run)."""
 
 import argparse
 import gc
