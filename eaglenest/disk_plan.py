@@ -180,7 +180,7 @@ def for_params(params: dict, repo: Path) -> dict:
 def target_weights(model_dir: Path) -> tuple[int, int]:
     """The target's weight files as stored, and its tensors in bf16 (what the extraction's copy takes
     on a GPU): from the safetensors headers (a .bin file counts as stored)."""
-    from eaglenest.target.files import WEIGHT_SUFFIXES
+    from eaglenest.target.files import WEIGHT_SUFFIXES, read_header
 
     stored = bf16 = 0
     for p in Path(model_dir).iterdir():
@@ -190,9 +190,7 @@ def target_weights(model_dir: Path) -> tuple[int, int]:
         if p.suffix != ".safetensors":
             bf16 += p.stat().st_size
             continue
-        with open(p, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        bf16 += sum(2 * int(np.prod(t["shape"])) for k, t in header.items() if k != "__metadata__")
+        bf16 += sum(2 * int(np.prod(t["shape"])) for k, t in read_header(p)[0].items() if k != "__metadata__")
     return stored, bf16
 
 

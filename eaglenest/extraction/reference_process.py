@@ -176,7 +176,7 @@ class ReferenceProcess:
 
 def _by_value(chosen: dict) -> dict:
     """Experts per sample as numpy arrays: pickled by value, not through shared memory."""
-    return {k: [c.numpy() if hasattr(c, "numpy") else c for c in v] for k, v in chosen.items()}
+    return {k: [c.numpy() for c in v] for k, v in chosen.items()}
 
 
 def _compare(ref, store: Path, chosen: list[int], cfg: dict, target_config: dict) -> tuple[dict, bool]:

@@ -49,7 +49,7 @@ class Capture:
 
     def __init__(self, model, samples: list, then=None):
         self.routing, self.want, self.then = Routing(), {sample_key(x) for x in samples}, then
-        self.forwards, self.complete_after = 0, None  # forwards run; how many had run when all were kept
+        self.forwards = 0
         self._calls, self._rows = None, []
         self._hooks = [r.register_forward_hook(self._hook) for r in routers(model)]
 
@@ -66,10 +66,9 @@ class Capture:
         for b, key, n in self._rows if self._calls else []:
             self.routing.chosen[key] = [c.view(-1, length, c.shape[-1])[b, :n].cpu() for c in self._calls]
         self._calls, self._rows = None, []
-        if self.complete_after is None and self.want <= self.routing.chosen.keys():
-            self.complete_after = self.forwards
-            if self.then is not None:
-                self.then(self.routing.chosen)
+        if self.then is not None and self.want <= self.routing.chosen.keys():
+            then, self.then = self.then, None  # once
+            then(self.routing.chosen)
 
     def close(self) -> None:
         for h in self._hooks:

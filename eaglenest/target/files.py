@@ -71,6 +71,13 @@ def check_weights(model_dir: Path) -> None:
             )
 
 
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where its data begins."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
 def _tensor_end(name: str, t: dict) -> int:
     begin, end = t["data_offsets"]
     count = 1

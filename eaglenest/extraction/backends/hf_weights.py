@@ -8,17 +8,16 @@ is reported by `plan_copy`: the own layers then read through safetensors with a 
 transformers' decoder loads through transformers. The gate's reference is loaded by transformers,
 independently of this path, so a wrong mapping here fails the gate."""
 
-import json
 import logging
 import os
 import queue
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from eaglenest.runtime.errors import EaglenestError
+from eaglenest.target.files import read_header
 from eaglenest.target.loading import LOADING, quiet_transformers
 
 log = logging.getLogger(__name__)
@@ -44,12 +43,6 @@ def build_decoder(model_dir: Path, dtype: str, device: str, attn: str):
     with LOADING, torch.device(device), no_init_weights():
         model = AutoModel.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)
     return model.eval().requires_grad_(False)
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
 
 
 def plan_copy(model_dir: Path, want: dict[str, torch.Tensor]) -> list[tuple[Path, int, int, torch.Tensor]]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eaglenest.extraction.backends.hf_weights import Unsupported, read_header
+from eaglenest.extraction.backends.hf_weights import Unsupported
+from eaglenest.target.files import read_header
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
