@@ -140,7 +140,8 @@ def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch
     waited, in seconds: on the backend (compute-bound) or on the writers (store-bound); launch_s =
     launching batches (all of the compute for a backend without `extract_async`); and the batches'
     padding (real_tokens and padded_tokens, count x longest, over the batches run)."""
-    clock = {"launch_s": 0.0, "wait_backend_s": 0.0, "wait_writers_s": 0.0}
+    clock = {"launch_s": 0.0, "wait_backend_s": 0.0, "wait_writers_s": 0.0, "new_buffers_s": 0.0}
+    t_loop = time.perf_counter()
     clock.update(batches=0, real_tokens=0, padded_tokens=0)
     piece_of, left, batches = {}, {}, []
     for window in windows:
@@ -180,7 +181,9 @@ def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch
                     by_piece.setdefault(piece_of[i].index, []).append((i, out))
             for k, got in by_piece.items():
                 if k not in filling:
+                    t = time.perf_counter()  # a piece buffer the pool lacks is allocated here
                     filling[k] = PieceFill(piece_of[got[0][0]], layout, pool, lengths, names, keys)
+                    clock["new_buffers_s"] += time.perf_counter() - t
                 filling[k].add([i for i, _ in got], [o for _, o in got], seqs, fill)
                 bar.update(sum(lengths[i] for i, _ in got))
                 left[k] -= len(got)
@@ -192,6 +195,7 @@ def run_pieces(windows, todo, seqs, lengths, names, keys, backend, layout, batch
         for f in filling.values():  # stop their copies before the pool frees the buffers
             f.settle()
             f.bufs.release()
+    clock["loop_s"] = time.perf_counter() - t_loop  # the rest: hand-over and bookkeeping per batch
     return clock
 
 
