@@ -121,3 +121,40 @@ def test_a_signal_ends_the_stage_and_everything_it_started(workspace, name):
     if name in ("extract", "teacher", "tokenize"):
         assert started >= 2  # its writer or pool processes were running when the signal came
     (workspace / "params.yaml").write_text(own)  # the next case starts from the clone's own params
+
+
+FINALIZER = """
+import time
+from eaglenest.runtime.errors import exit_on_error
+
+class Slow:
+    def __del__(self):
+        print("finalizing", flush=True)
+        time.sleep(5)  # the signal lands here, where an exception cannot propagate
+
+@exit_on_error
+def main():
+    Slow()
+    time.sleep(20)
+    print("ran on to the end", flush=True)
+
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(tmp_path, sig):
+    """Python cannot raise out of a `__del__` (the garbage collector's, at any moment): the exception a
+    signal raises there is printed as "Exception ignored" and the command runs on. It is delivered
+    again where ordinary code runs next, so the command still ends at once, with its one line."""
+    (tmp_path / "slow.py").write_text(FINALIZER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "slow.py"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    assert proc.stdout.readline().strip() == "finalizing"
+    t = time.time()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, out
+    assert time.time() - t < 8, "it ended only when the finalizer's sleep was over, or later"
+    assert f"interrupted by {sig.name}" in out and "Traceback" not in out and "ran on" not in out, out

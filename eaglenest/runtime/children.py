@@ -7,6 +7,8 @@ traceback per process."""
 
 import os
 import signal
+import sys
+import threading
 import time
 
 
@@ -22,13 +24,32 @@ def _raise(signum, frame):
     raise Interrupted(signum)
 
 
+def _redeliver(unraisable) -> None:
+    """A signal that lands while a finalizer runs (a `__del__` the garbage collector called, a weakref
+    callback) raises there, where nothing can catch it: Python would print "Exception ignored" and
+    the command would run on as if never signalled. Send the signal again instead: it is raised
+    where the main thread runs next, which is ordinary code once the finalizers are done. From a
+    thread, a moment later: sent from here, it would be raised inside this hook, and ignored again."""
+    e = unraisable.exc_value
+    if not isinstance(e, KeyboardInterrupt):
+        return _previous_hook(unraisable)
+    again = threading.Timer(0.1, os.kill, (os.getpid(), getattr(e, "signum", signal.SIGINT)))
+    again.daemon = True
+    again.start()
+
+
+_previous_hook = sys.unraisablehook
+
+
 def raise_on_signals() -> dict:
-    """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt); returns the
-    handlers they had, for `restore`."""
+    """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt), one swallowed
+    by a finalizer is delivered again (`_redeliver`); returns the handlers they had, for `restore`."""
+    sys.unraisablehook = _redeliver
     return {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def restore(handlers: dict) -> None:
+    sys.unraisablehook = _previous_hook
     for s, h in handlers.items():
         signal.signal(s, h)
 
