@@ -5,6 +5,7 @@ is still running when the command ends is ended by `end_descendants`. Pool worke
 a terminal sends to the whole process group) to their parent, so one line is printed, not one
 traceback per process."""
 
+import functools
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ def _raise(signum, frame):
     raise Interrupted(signum)
 
 
-def _redeliver(unraisable) -> None:
+def _redeliver(previous, unraisable) -> None:
     """A signal that lands while a finalizer runs (a `__del__` the garbage collector called, a weakref
     callback) raises there, where nothing can catch it: Python would print "Exception ignored" and
     the command would run on as if never signalled. Send the signal again instead: it is raised
@@ -32,26 +33,27 @@ def _redeliver(unraisable) -> None:
     thread, a moment later: sent from here, it would be raised inside this hook, and ignored again."""
     e = unraisable.exc_value
     if not isinstance(e, KeyboardInterrupt):
-        return _previous_hook(unraisable)
+        return previous(unraisable)
     again = threading.Timer(0.1, os.kill, (os.getpid(), getattr(e, "signum", signal.SIGINT)))
     again.daemon = True
     again.start()
 
 
-_previous_hook = sys.unraisablehook
-
-
 def raise_on_signals() -> dict:
     """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt), one swallowed
-    by a finalizer is delivered again (`_redeliver`); returns the handlers they had, for `restore`."""
-    sys.unraisablehook = _redeliver
-    return {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+    by a finalizer is delivered again (`_redeliver`); returns the handlers and hook they replaced, for
+    `restore`."""
+    replaced = {"unraisablehook": sys.unraisablehook}
+    sys.unraisablehook = functools.partial(_redeliver, replaced["unraisablehook"])
+    return replaced | {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
 
 
-def restore(handlers: dict) -> None:
-    sys.unraisablehook = _previous_hook
-    for s, h in handlers.items():
-        signal.signal(s, h)
+def restore(replaced: dict) -> None:
+    for s, h in replaced.items():
+        if s == "unraisablehook":
+            sys.unraisablehook = h
+        else:
+            signal.signal(s, h)
 
 
 def signal_name(e: KeyboardInterrupt) -> str:
