@@ -34,7 +34,7 @@ def _redeliver(previous, unraisable) -> None:
     e = unraisable.exc_value
     if not isinstance(e, KeyboardInterrupt):
         return previous(unraisable)
-    again = threading.Timer(0.1, os.kill, (os.getpid(), getattr(e, "signum", signal.SIGINT)))
+    again = threading.Timer(0.1, os.kill, (os.getpid(), signum(e)))
     again.daemon = True
     again.start()
 
@@ -56,13 +56,18 @@ def restore(replaced: dict) -> None:
             signal.signal(s, h)
 
 
+def signum(e: KeyboardInterrupt) -> int:
+    """The signal behind an interruption (a plain KeyboardInterrupt: SIGINT)."""
+    return e.signum if isinstance(e, Interrupted) else signal.SIGINT
+
+
 def signal_name(e: KeyboardInterrupt) -> str:
-    return signal.Signals(e.signum).name if isinstance(e, Interrupted) else "SIGINT"
+    return signal.Signals(signum(e)).name
 
 
 def exit_code(e: KeyboardInterrupt) -> int:
     """128 + the signal's number, as a shell reports a command a signal ended."""
-    return 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
+    return 128 + signum(e)
 
 
 def worker_init() -> None:
