@@ -430,6 +430,9 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
         assert hp["writers"] == writers and hp["bound_by"] in ("backend", "store")
         busy = hp["writer_busy"]
         assert busy["piece_s"] >= busy["digest_s"] + busy["encode_s"] + busy["write_s"] - 0.05 > 0
+        # the parts of a piece's time add up: phases within the writer's call, the call and the commit within piece_s
+        assert busy["call_s"] >= busy["digest_s"] + busy["encode_s"] + busy["write_s"] - 0.05
+        assert busy["piece_s"] >= busy["call_s"] + busy["commit_s"] - 0.05 and busy["commit_s"] > 0
         assert {"fill_s", "wait_fill_s"} <= busy.keys() and hp["launch_s"] + hp["wait_backend_s"] > 0
         waits = hp["launch_s"] + hp["wait_backend_s"] + hp["wait_writers_s"] + hp["new_buffers_s"]
         assert hp["loop_s"] >= waits - 0.02 and hp["loop_s"] > 0  # the loop's time, split (2 decimals)

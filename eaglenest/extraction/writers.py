@@ -33,6 +33,8 @@ class PieceWriter:
             "digest_s": 0.0,
             "encode_s": 0.0,
             "write_s": 0.0,
+            "call_s": 0.0,
+            "commit_s": 0.0,
             "piece_s": 0.0,
         }
         self.lock = threading.Lock()
@@ -103,8 +105,11 @@ class PieceWriter:
                     digests, written, phases = write_piece(self.work.store, index, self.layout, bufs.arrays, rows)
                 for r, d in zip(rows, digests):  # the digest of the exact bytes stored
                     r["digest"] = d
-                self.work.commit_piece(index, rows)
-                phases.update(filled, piece_s=time.perf_counter() - t)  # piece_s: + hand-over, manifest
+                t_commit = time.perf_counter()
+                self.work.commit_piece(index, rows)  # its manifest, fsynced with its directory
+                done = time.perf_counter()
+                # piece_s = the writer's call_s (+ the hand-over to its process) + commit_s
+                phases.update(filled, commit_s=done - t_commit, piece_s=done - t)
                 with self.lock:
                     self.bytes_written += written
                     for k, v in phases.items():

@@ -133,16 +133,16 @@ def write_piece(
     store: Path, index: int, layout: Layout, arrays: dict[str, np.ndarray], rows: list[dict], direct: bool = True
 ) -> tuple[list[str], int, dict]:
     """`arrays`: the piece's rows of every stored array (`PieceBuffers.arrays`). Returns (digest per
-    row, bytes written, seconds per phase: digest / encode / write incl. fsync and rename). The
-    caller commits the piece's manifest afterwards. direct: O_DIRECT where the filesystem takes it
-    (False: buffered writes + fsync, the fallback)."""
+    row, bytes written, seconds per phase: digest / encode / write incl. fsync and rename, and call_s,
+    the whole call). The caller commits the piece's manifest afterwards. direct: O_DIRECT where the
+    filesystem takes it (False: buffered writes + fsync, the fallback)."""
     S = layout.shard_tokens
     t0 = time.perf_counter()
     digests = []
     for r in rows:
         o, n = r["start"] - index * S, r["length"]
         digests.append(sample_digest({name: a[o : o + n] for name, a in arrays.items()}))
-    phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0}
+    phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0, "call_s": 0.0}
     written = 0
     for name, path in shard_files(Path(store), index, layout).items():
         t = time.perf_counter()
@@ -152,6 +152,7 @@ def write_piece(
             written += _write_file(path, parts, direct)
         phases["encode_s"] += t1 - t
         phases["write_s"] += time.perf_counter() - t1
+    phases["call_s"] = time.perf_counter() - t0
     return digests, written, phases
 
 
@@ -198,9 +199,12 @@ def write_piece_shared(
     """`write_piece` in a writer process, reading the piece from the parent's shared memory. The
     mapping is kept: the parent reuses its buffers, so later pieces read already-mapped pages."""
     with _writing:
+        t = time.perf_counter()
         arrays = {}
         for name, (shm, shape, dtype) in spec.items():
             if shm not in _attached:
                 _attached[shm] = shared_memory.SharedMemory(name=shm)
             arrays[name] = np.ndarray(shape, dtype=np.dtype(dtype), buffer=_attached[shm].buf)
-        return write_piece(Path(store), index, layout, arrays, rows)
+        digests, written, phases = write_piece(Path(store), index, layout, arrays, rows)
+        phases["call_s"] = time.perf_counter() - t  # with the mapping of its buffers
+        return digests, written, phases
