@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -398,6 +399,14 @@ def test_gate_passes_clean_extraction_with_margin(smollm2, tmp_path):
         )
 
 
+class SeesChildren(HFBackend):
+    """The hf backend, counting this process's child processes when the extraction loads it."""
+
+    def load(self):
+        self.children_at_load = len(multiprocessing.active_children())
+        return super().load()
+
+
 def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
     """Pieces written by writer processes over shared memory (the many-core GPU-host path) equal
     those written in-thread, and no shared-memory segment is left behind."""
@@ -410,7 +419,7 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
             part="p",
             tokenized=tok,
             target=tiny_target,
-            backend=HFBackend(tiny_target, taps, device="cpu"),
+            backend=(backend := SeesChildren(tiny_target, taps, device="cpu")),
             taps=taps,
             dtype="float32",
             revision=0,
@@ -428,11 +437,14 @@ def test_writer_processes_store_the_same_bytes(tiny_target, tmp_path):
         # the host-path report accounts for every piece the writers handled
         hp = m["host_path"]
         assert hp["writers"] == writers and hp["bound_by"] in ("backend", "store")
+        # writer processes are spawned before the target loads, not when the first piece needs one
+        assert backend.children_at_load == (writers if writers > 1 else 0) and hp["writers_ready_s"] >= 0
         busy = hp["writer_busy"]
-        assert busy["piece_s"] >= busy["digest_s"] + busy["encode_s"] + busy["write_s"] - 0.05 > 0
-        # the parts of a piece's time add up: phases within the writer's call, the call and the commit within piece_s
-        assert busy["call_s"] >= busy["digest_s"] + busy["encode_s"] + busy["write_s"] - 0.05
-        assert busy["piece_s"] >= busy["call_s"] + busy["commit_s"] - 0.05 and busy["commit_s"] > 0
+        # the parts of a piece's time add up: the phases within the writer's call, the call and the
+        # commit within piece_s (each figure rounded to 0.01 s: up to 0.005 s off)
+        phases = busy["digest_s"] + busy["encode_s"] + busy["write_s"]
+        assert busy["piece_s"] > 0 and busy["call_s"] >= phases - 0.02
+        assert busy["piece_s"] >= busy["call_s"] + busy["commit_s"] - 0.015
         assert {"fill_s", "wait_fill_s"} <= busy.keys() and hp["launch_s"] + hp["wait_backend_s"] > 0
         waits = hp["launch_s"] + hp["wait_backend_s"] + hp["wait_writers_s"] + hp["new_buffers_s"]
         assert hp["loop_s"] >= waits - 0.02 and hp["loop_s"] > 0  # the loop's time, split (2 decimals)

@@ -25,6 +25,7 @@ from eaglenest.extraction.plan import PLAN, plan_pieces, plan_windows, read_toke
 from eaglenest.extraction.reference import choose_streamed
 from eaglenest.extraction.reference_process import LocalReference, ReferenceProcess, choose, start_reference
 from eaglenest.extraction.work_dir import WorkDir, check_writable, part_lock
+from eaglenest.extraction.writers import WriterProcesses
 from eaglenest.files.hashing import sha256_file, sha256_text
 from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
@@ -140,8 +141,10 @@ def _extract_part(
     # samples' states while this process loads and compiles; on the CPU here, after the loop
     # (`reference_process`)
     n_gate, seed = gate_samples(validate_cfg), int((validate_cfg or {}).get("seed", 0))
-    reference = captured = None
+    reference = captured = processes = None
     try:
+        if writers > 1 and mine:  # spawned while the target loads, so no piece waits for one
+            processes = WriterProcesses(writers)
         if n_gate > 0:
             chosen = choose(len(seqs), n_gate, seed)
             # a mixture of experts: the gate replays the experts this very forward chose (`routing.Capture`)
@@ -185,7 +188,7 @@ def _extract_part(
             ) as bar,
         ):
             clock, writer, pool, drain_s = extract_pieces(
-                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar
+                mine, todo, seqs, names, keys, backend, layout, work, batch_tokens, writers, bar, processes
             )
         # The piece buffers (GBs of shared memory, ~0.25 s per GB to free) are freed beside the gate
         freeing = threading.Thread(target=pool.close, name="free-piece-buffers")
@@ -257,6 +260,8 @@ def _extract_part(
             freeing.join()
         if reference is not None:  # the reference process ends with the run, whatever happened
             reference.close()
+        if processes is not None:  # closed already after a loop; not after a failure before it
+            processes.close()
 
 
 class GateFailed(EaglenestError):

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from eaglenest.extraction.backends import SampleFailed
 from eaglenest.extraction.plan import Piece, window_batches
 from eaglenest.extraction.work_dir import WorkDir
-from eaglenest.extraction.writers import PieceWriter
+from eaglenest.extraction.writers import PieceWriter, WriterProcesses
 from eaglenest.runtime.errors import EaglenestError
 from eaglenest.store import states as state_format
 from eaglenest.store.hidden_store import Layout
@@ -105,25 +105,29 @@ class PieceFill:
 
 
 def extract_pieces(windows, todo, seqs, names, keys, backend, layout: Layout, work: WorkDir, batch_tokens: int,
-                   writers: int, bar) -> tuple[dict, PieceWriter, BufferPool, float]:  # fmt: skip
+                   writers: int, bar, processes: WriterProcesses | None = None
+                   ) -> tuple[dict, PieceWriter, BufferPool, float]:  # fmt: skip
     """The pieces of `windows` (`plan.plan_windows`) whose index is in `todo` through the backend into
-    the work store: `writers` background writers (processes when > 1), pooled piece buffers, two fill
-    threads. Returns
+    the work store: `writers` background writers (processes when > 1: `processes` if started already),
+    pooled piece buffers, two fill threads. Returns
     (where the loop waited, the closed writer, the pool, seconds spent draining the writers); the pool
     still holds its buffers (GBs) for the caller to free, beside the gate. On failure the pool is
     freed here."""
     lengths = [len(s) for s in seqs]
-    writer = PieceWriter(work, layout, workers=writers, processes=writers > 1)
+    writer = PieceWriter(work, layout, workers=writers, processes=processes or writers > 1)
     pool = BufferPool(layout, shared=writer.shared)
     try:
         with ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:
             try:
+                t_loop = time.perf_counter()
                 clock = run_pieces(
                     windows, todo, seqs, lengths, names, keys, backend, layout, batch_tokens, bar, fill, writer, pool
                 )  # fmt: skip
                 t_drain = time.perf_counter()
             finally:
                 writer.close()  # no copy or writer touches the buffers after this
+        # a piece handed to a writer process that was not up yet waited for it (`WriterProcesses`)
+        clock["writers_ready_s"] = writer.processes.ready_after(t_loop) if writer.processes else 0.0
         return clock, writer, pool, time.perf_counter() - t_drain
     except BaseException:
         pool.close()

@@ -13,13 +13,39 @@ from eaglenest.store.hidden_store import Layout
 from eaglenest.store.shard_writer import import_piece_io, write_piece, write_piece_shared, writer_init
 
 
+class WriterProcesses:
+    """`workers` writer processes, spawned and warmed at once: spawn re-imports the main module (torch
+    included), ~4 s per writer on a GPU host. Started before the target loads, they are ready by the
+    time the first piece is; started with the loop, each one's first piece waited for it."""
+
+    def __init__(self, workers: int):
+        import multiprocessing
+
+        self.started, self.ready = time.perf_counter(), []
+        # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
+        # current piece is written (`writer_init`): same bytes as the resumed run writes.
+        self.pool = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=writer_init, initargs=(os.getpid(),)
+        )
+        for _ in range(workers):  # one no-op task each: the pool spawns a process per task it cannot place
+            self.pool.submit(import_piece_io).add_done_callback(lambda _: self.ready.append(time.perf_counter()))
+
+    def ready_after(self, t: float) -> float:
+        """Seconds after `t` until the last writer process was ready (0.0: all were by then)."""
+        return max(0.0, max(self.ready, default=time.perf_counter()) - t)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
 class PieceWriter:
     """Background writers: finished pieces are digested, zarr-encoded, written and fsynced while the
     caller computes the next piece — in `workers` threads, each handing its piece to a writer
-    process when `processes` (zarr encodes on one event loop per process). One piece = one shard
+    process when `processes` (True: spawned here, or `WriterProcesses` started earlier; zarr encodes
+    on one event loop per process). One piece = one shard
     file per array, so writers never share a file; a piece is committed by its manifest, in any order."""
 
-    def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool = False):
+    def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool | WriterProcesses = False):
         self.work, self.layout = work, layout
         # pieces waiting beyond those being written: absorbs a disk's fsync stalls without stalling
         # the GPU (each holds one pooled piece buffer)
@@ -38,22 +64,8 @@ class PieceWriter:
             "piece_s": 0.0,
         }
         self.lock = threading.Lock()
-        self.pool = None
-        if processes:
-            import multiprocessing
-
-            # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
-            # current piece is written (`writer_init`): same bytes as the resumed run writes.
-            self.pool = ProcessPoolExecutor(
-                workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=writer_init,
-                initargs=(os.getpid(),),
-            )
-            # start every writer now, while the model loads: spawn re-imports the main module (torch
-            # included), ~4 s per writer on the H200 host, which each one's first piece waited for
-            for _ in range(workers):
-                self.pool.submit(import_piece_io)
+        self.processes = WriterProcesses(workers) if processes is True else processes or None
+        self.pool = self.processes.pool if self.processes else None
         self.threads = [
             threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True) for i in range(workers)
         ]
@@ -82,8 +94,8 @@ class PieceWriter:
             self.q.put(None)  # the threads keep draining the queue, error or not
         for t in self.threads:
             t.join()
-        if self.pool is not None:
-            self.pool.shutdown()
+        if self.processes is not None:
+            self.processes.close()
         if self.error is not None:
             raise self.error
 
