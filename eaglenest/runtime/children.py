@@ -101,6 +101,15 @@ def descendants(pid: int | None = None) -> list[int]:
     return out
 
 
+def close_compile_workers() -> None:
+    """torch.compile's worker pool on CUDA (a process with ~one worker per core: 17 on a 16-core GPU
+    host) lives until the interpreter exits, so a command that compiled would end with it still
+    running; closed by torch's own call, it is no leftover for `end_descendants` to find."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None and hasattr(async_compile, "shutdown_compile_workers"):
+        async_compile.shutdown_compile_workers()
+
+
 def end_descendants(grace_s: float = 3.0, keep: set[int] = frozenset()) -> list[int]:
     """SIGTERM to every descendant still running but those in `keep` (what ran before a command
     started, when it runs inside another program), SIGKILL to those left after `grace_s`; returns the

@@ -49,7 +49,9 @@ def exit_on_error(fn):
         setup_logging()
         before, handlers = set(children.descendants()), children.raise_on_signals()
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            children.close_compile_workers()  # torch's, by torch, on success (after a failure: ended below)
+            return out
         except EaglenestError as e:
             fail(str(e))
         except OSError as e:
