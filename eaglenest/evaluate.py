@@ -55,6 +55,24 @@ def prompt_ids(tok, prompts: list[dict]) -> list[list[int]]:
     return ids
 
 
+@torch.no_grad()
+def divergence(model, prompt: list[int], greedy: list[int], spec: list[int]) -> dict:
+    """Where a speculative output first leaves plain greedy decoding, and the target's logit margin
+    there, greedy's token over the speculative one, from one forward of the prompt and the common
+    prefix. A margin within the dtype's rounding of the top logit is a near-tie that two computations
+    of other shapes (a verification of k + 1 positions, one decode step) broke differently; a larger
+    one is a wrong acceptance."""
+    j = next((i for i, (g, t) in enumerate(zip(greedy, spec)) if g != t), min(len(greedy), len(spec)))
+    out = {"position": j}
+    if j < min(len(greedy), len(spec)):  # else one output ended (a stop token) where the other went on
+        x = torch.tensor([prompt + greedy[:j]], device=model.device)
+        logits = model(input_ids=x).logits[0, -1].float()
+        top = logits.max().item()
+        margin = (logits[greedy[j]] - logits[spec[j]]).item()
+        out |= {"logit_margin": round(margin, 6), "relative_to_top": round(margin / max(abs(top), 1e-6), 8)}
+    return out
+
+
 def acceptance(accepted: list[int], k: int) -> dict:
     acc = np.asarray(accepted)
     return {
@@ -193,15 +211,18 @@ def evaluate(
         metrics["verifications"][key] = a["verifications"]
         metrics["identical_to_greedy"][key], metrics["mismatches"][key] = sum(same), len(same) - sum(same)
         qkey = key if isinstance(m, TreeShape) else f"k{m}"
-        for q, ok, (_, acc) in zip(per_q, same, spec[m]):
+        for i, (q, ok, (toks, acc)) in enumerate(zip(per_q, same, spec[m])):
             q[f"identical_{qkey}"] = ok
             q[f"tau_{qkey}"] = float(np.mean([x + 1 for x in acc])) if acc else None
+            if not ok:
+                q[f"divergence_{qkey}"] = divergence(model, ids[i], plain[i], toks)
         if len(same) > sum(same):
             log.warning(
-                "%s: %d of %d outputs differ from plain greedy decoding: %s",
+                "%s: %d of %d outputs differ from plain greedy decoding (question: first differing token, "
+                "the target's logit margin there and that margin over its top logit): %s",
                 qkey,
                 len(same) - sum(same),
                 len(same),
-                [q["id"] for q, ok in zip(per_q, same) if not ok],
+                [(q["id"], *q[f"divergence_{qkey}"].values()) for q, ok in zip(per_q, same) if not ok],
             )
     return metrics, clock.figures(metrics["tau"]), per_q

@@ -192,3 +192,27 @@ def test_a_tree_that_cannot_be_drafted_or_held_fails_before_any_work(smollm2, tm
         p = run_py(["-m", "stages.evaluate", "--no-progress"], cwd=ws, check=False)
         assert p.returncode == 2 and says in p.stderr.strip().splitlines()[-1], p.stderr[-600:]
         assert not (ws / "metrics").exists()
+
+
+def test_a_divergence_names_its_token_and_the_targets_margin_there(tiny_target, tiny_fp32):
+    """Where a speculative output leaves greedy decoding, the report gives the position and the
+    target's logit margin of greedy's token over the other: the gap to the runner-up where the other
+    is the runner-up, negative where the other beats greedy's token (a wrong acceptance would)."""
+    from eaglenest.evaluate import divergence
+
+    p = prompts(7, n=1)[0]
+    greedy = greedy_decode(TargetRunner(tiny_fp32, TAPS), p, 12, eos=set()).tokens
+    j = 5
+    with torch.no_grad():
+        logits = tiny_fp32(input_ids=torch.tensor([p + greedy[:j]])).logits[0, -1]
+    top2 = logits.topk(2)
+    assert top2.indices[0].item() == greedy[j]
+    runner_up = top2.indices[1].item()
+    d = divergence(tiny_fp32, p, greedy, greedy[:j] + [runner_up] + greedy[j + 1 :])
+    gap = (top2.values[0] - top2.values[1]).item()
+    assert d["position"] == j and d["logit_margin"] == pytest.approx(gap, abs=1e-5) and d["logit_margin"] > 0
+    assert d["relative_to_top"] == pytest.approx(gap / abs(top2.values[0].item()), rel=1e-3)
+    # greedy's token in the other's place, and the other's in greedy's: the margin changes sign
+    assert divergence(tiny_fp32, p, greedy[:j] + [runner_up], greedy[: j + 1])["logit_margin"] < 0
+    # one output stopped where the other went on: a position, no margin
+    assert divergence(tiny_fp32, p, greedy, greedy[:j]) == {"position": j}
