@@ -21,7 +21,7 @@ class WriterProcesses:
     def __init__(self, workers: int):
         import multiprocessing
 
-        self.started, self.ready = time.perf_counter(), []
+        self.ready: list[float] = []  # when each process had run its no-op task
         # spawn: the parent may hold CUDA state. A worker whose parent is killed exits once its
         # current piece is written (`writer_init`): same bytes as the resumed run writes.
         self.pool = ProcessPoolExecutor(
@@ -42,8 +42,8 @@ class PieceWriter:
     """Background writers: finished pieces are digested, zarr-encoded, written and fsynced while the
     caller computes the next piece — in `workers` threads, each handing its piece to a writer
     process when `processes` (True: spawned here, or `WriterProcesses` started earlier; zarr encodes
-    on one event loop per process). One piece = one shard
-    file per array, so writers never share a file; a piece is committed by its manifest, in any order."""
+    on one event loop per process). One piece = one shard file per array, so writers never share a
+    file; a piece is committed by its manifest, in any order."""
 
     def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool | WriterProcesses = False):
         self.work, self.layout = work, layout

@@ -142,7 +142,7 @@ def write_piece(
     for r in rows:
         o, n = r["start"] - index * S, r["length"]
         digests.append(sample_digest({name: a[o : o + n] for name, a in arrays.items()}))
-    phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0, "call_s": 0.0}
+    phases = {"digest_s": time.perf_counter() - t0, "encode_s": 0.0, "write_s": 0.0}
     written = 0
     for name, path in shard_files(Path(store), index, layout).items():
         t = time.perf_counter()
