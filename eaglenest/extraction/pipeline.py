@@ -114,7 +114,9 @@ def extract_pieces(windows, todo, seqs, names, keys, backend, layout: Layout, wo
     still holds its buffers (GBs) for the caller to free, beside the gate. On failure the pool is
     freed here."""
     lengths = [len(s) for s in seqs]
-    writer = PieceWriter(work, layout, workers=writers, processes=processes or writers > 1)
+    if processes is None and writers > 1:
+        processes = WriterProcesses(writers)
+    writer = PieceWriter(work, layout, workers=writers, processes=processes)
     pool = BufferPool(layout, shared=writer.shared)
     try:
         with ThreadPoolExecutor(2, thread_name_prefix="piece-fill") as fill:

@@ -41,11 +41,11 @@ class WriterProcesses:
 class PieceWriter:
     """Background writers: finished pieces are digested, zarr-encoded, written and fsynced while the
     caller computes the next piece — in `workers` threads, each handing its piece to a writer
-    process when `processes` (True: spawned here, or `WriterProcesses` started earlier; zarr encodes
-    on one event loop per process). One piece = one shard file per array, so writers never share a
-    file; a piece is committed by its manifest, in any order."""
+    process when given `processes` (zarr encodes on one event loop per process). One piece = one
+    shard file per array, so writers never share a file; a piece is committed by its manifest, in
+    any order."""
 
-    def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: bool | WriterProcesses = False):
+    def __init__(self, work: WorkDir, layout: Layout, workers: int = 1, processes: WriterProcesses | None = None):
         self.work, self.layout = work, layout
         # pieces waiting beyond those being written: absorbs a disk's fsync stalls without stalling
         # the GPU (each holds one pooled piece buffer)
@@ -64,8 +64,8 @@ class PieceWriter:
             "piece_s": 0.0,
         }
         self.lock = threading.Lock()
-        self.processes = WriterProcesses(workers) if processes is True else processes or None
-        self.pool = self.processes.pool if self.processes else None
+        self.processes = processes
+        self.pool = processes.pool if processes else None
         self.threads = [
             threading.Thread(target=self._run, name=f"piece-writer-{i}", daemon=True) for i in range(workers)
         ]
