@@ -69,7 +69,14 @@ def divergence(model, prompt: list[int], greedy: list[int], spec: list[int]) -> 
         logits = model(input_ids=x).logits[0, -1].float()
         top = logits.max().item()
         margin = (logits[greedy[j]] - logits[spec[j]]).item()
-        out |= {"logit_margin": round(margin, 6), "relative_to_top": round(margin / max(abs(top), 1e-6), 8)}
+        # the same logits in another shape (one position more, as a verification has): how far two
+        # computations of one function disagree on this device, the scale a tie is judged on
+        again = model(input_ids=torch.cat([x, x[:, -1:]], 1)).logits[0, -2].float()
+        out |= {
+            "logit_margin": round(margin, 6),
+            "relative_to_top": round(margin / max(abs(top), 1e-6), 8),
+            "shape_noise": round((logits - again).abs().max().item(), 8),
+        }
     return out
 
 

@@ -212,6 +212,7 @@ def test_a_divergence_names_its_token_and_the_targets_margin_there(tiny_target, 
     gap = (top2.values[0] - top2.values[1]).item()
     assert d["position"] == j and d["logit_margin"] == pytest.approx(gap, abs=1e-5) and d["logit_margin"] > 0
     assert d["relative_to_top"] == pytest.approx(gap / abs(top2.values[0].item()), rel=1e-3)
+    assert 0 <= d["shape_noise"] < 1e-3 * abs(top2.values[0].item())  # float32 noise, not another function
     # greedy's token in the other's place, and the other's in greedy's: the margin changes sign
     assert divergence(tiny_fp32, p, greedy[:j] + [runner_up], greedy[: j + 1])["logit_margin"] < 0
     # one output stopped where the other went on: a position, no margin
