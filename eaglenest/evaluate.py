@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from eaglenest.decoding import batched_speculative, batched_tree
+from eaglenest.decoding.lossless import divergence
 from eaglenest.decoding.modes import depth, mode_key, slots_per_round, spec_decode
 from eaglenest.decoding.speculative import TargetRunner, greedy_decode
 from eaglenest.decoding.timing import Clock, decode_speed
@@ -53,31 +54,6 @@ def prompt_ids(tok, prompts: list[dict]) -> list[list[int]]:
         )
         ids.append(list(x["input_ids"] if isinstance(x, dict) else x))
     return ids
-
-
-@torch.no_grad()
-def divergence(model, prompt: list[int], greedy: list[int], spec: list[int]) -> dict:
-    """Where a speculative output first leaves plain greedy decoding, and the target's logit margin
-    there, greedy's token over the speculative one, from one forward of the prompt and the common
-    prefix. A margin within the dtype's rounding of the top logit is a near-tie that two computations
-    of other shapes (a verification of k + 1 positions, one decode step) broke differently; a larger
-    one is a wrong acceptance."""
-    j = next((i for i, (g, t) in enumerate(zip(greedy, spec)) if g != t), min(len(greedy), len(spec)))
-    out = {"position": j}
-    if j < min(len(greedy), len(spec)):  # else one output ended (a stop token) where the other went on
-        x = torch.tensor([prompt + greedy[:j]], device=model.device)
-        logits = model(input_ids=x).logits[0, -1].float()
-        top = logits.max().item()
-        margin = (logits[greedy[j]] - logits[spec[j]]).item()
-        # the same logits in another shape (one position more, as a verification has): how far two
-        # computations of one function disagree on this device, the scale a tie is judged on
-        again = model(input_ids=torch.cat([x, x[:, -1:]], 1)).logits[0, -2].float()
-        out |= {
-            "logit_margin": round(margin, 6),
-            "relative_to_top": round(margin / max(abs(top), 1e-6), 8),
-            "shape_noise": round((logits - again).abs().max().item(), 8),
-        }
-    return out
 
 
 def acceptance(accepted: list[int], k: int) -> dict:
@@ -206,6 +182,7 @@ def evaluate(
         "accept_rate_per_position": {},
         "identical_to_greedy": {},
         "mismatches": {},
+        "lossless": {},
         "verifications": {},
         **made_on(device),
     }
@@ -223,13 +200,17 @@ def evaluate(
             q[f"tau_{qkey}"] = float(np.mean([x + 1 for x in acc])) if acc else None
             if not ok:
                 q[f"divergence_{qkey}"] = divergence(model, ids[i], plain[i], toks)
-        if len(same) > sum(same):
+        apart = [(q["id"], q[f"divergence_{qkey}"]) for q, ok in zip(per_q, same) if not ok]
+        metrics["lossless"][key] = len(same) - sum(not d["follows_target"] for _, d in apart)
+        if apart:
             log.warning(
-                "%s: %d of %d outputs differ from plain greedy decoding (question: first differing token, "
-                "the target's logit margin there and that margin over its top logit): %s",
+                "%s: %d of %d outputs differ from plain greedy decoding; %d of them follow the target's own "
+                "forward from there (plain decoding broke a near-tie), %d do not: %s",
                 qkey,
-                len(same) - sum(same),
+                len(apart),
                 len(same),
-                [(q["id"], *q[f"divergence_{qkey}"].values()) for q, ok in zip(per_q, same) if not ok],
+                sum(d["follows_target"] for _, d in apart),
+                sum(not d["follows_target"] for _, d in apart),
+                apart,
             )
     return metrics, clock.figures(metrics["tau"]), per_q

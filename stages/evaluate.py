@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     )
     low = {k: t for k, t in metrics["tau"].items() if min_tau is not None and t < float(min_tau)}
     metrics["min_tau"], metrics["gate_passed"] = min_tau, not low
-    lossless = all(m == 0 for m in metrics["mismatches"].values())
+    lossless = all(n == metrics["questions"] for n in metrics["lossless"].values())
     write_json(paths.metrics("evaluate"), {"tau": metrics["tau"], "lossless": lossless, **made_on(metrics["device"])})
     write_json(paths.report("evaluate"), metrics)
     write_json(paths.timing("evaluate"), timing)

@@ -153,7 +153,8 @@ def test_evaluate_stage_gate_fails_below_min_tau_and_keeps_metrics(smollm2, tmp_
     m = json.loads((ws / "reports/evaluate.json").read_text())
     assert m["gate_passed"] is False and set(m["tau"]) == {"2", "3", "tree-2x2x4"} and m["questions"] == 3
     assert all(1.0 <= t < 1.5 for t in m["tau"].values())
-    assert m["identical_to_greedy"] == {"2": 3, "3": 3, "tree-2x2x4": 3} and m["trees"] == ["tree-2x2x4"]
+    assert m["identical_to_greedy"] == m["lossless"] == {"2": 3, "3": 3, "tree-2x2x4": 3}
+    assert m["trees"] == ["tree-2x2x4"]
     headline = json.loads((ws / "metrics/evaluate.json").read_text())
     assert headline["tau"] == m["tau"] and headline["lossless"] is True and headline["cpu"] == m["cpu"]
     # the break-even analysis: a round = its draft steps + a verification, against a target step
@@ -194,11 +195,13 @@ def test_a_tree_that_cannot_be_drafted_or_held_fails_before_any_work(smollm2, tm
         assert not (ws / "metrics").exists()
 
 
-def test_a_divergence_names_its_token_and_the_targets_margin_there(tiny_target, tiny_fp32):
+def test_a_divergence_is_judged_by_the_targets_own_forward(tiny_target, tiny_fp32):
     """Where a speculative output leaves greedy decoding, the report gives the position and the
-    target's logit margin of greedy's token over the other: the gap to the runner-up where the other
-    is the runner-up, negative where the other beats greedy's token (a wrong acceptance would)."""
-    from eaglenest.evaluate import divergence
+    target's logit margin of greedy's token over the other, and judges the output by the target's
+    own uncached forward over it: lossless where each token from there on is that forward's top
+    logit (plain decoding broke a near-tie), not where one is below it by more than two shapes of
+    the forward disagree (a wrong acceptance), naming those positions."""
+    from eaglenest.decoding.lossless import divergence
 
     p = prompts(7, n=1)[0]
     greedy = greedy_decode(TargetRunner(tiny_fp32, TAPS), p, 12, eos=set()).tokens
@@ -208,12 +211,17 @@ def test_a_divergence_names_its_token_and_the_targets_margin_there(tiny_target, 
     top2 = logits.topk(2)
     assert top2.indices[0].item() == greedy[j]
     runner_up = top2.indices[1].item()
-    d = divergence(tiny_fp32, p, greedy, greedy[:j] + [runner_up] + greedy[j + 1 :])
+    wrong = greedy[:j] + [runner_up] + greedy[j + 1 :]
+    d = divergence(tiny_fp32, p, greedy, wrong)
     gap = (top2.values[0] - top2.values[1]).item()
     assert d["position"] == j and d["logit_margin"] == pytest.approx(gap, abs=1e-5) and d["logit_margin"] > 0
     assert d["relative_to_top"] == pytest.approx(gap / abs(top2.values[0].item()), rel=1e-3)
     assert 0 <= d["shape_noise"] < 1e-3 * abs(top2.values[0].item())  # float32 noise, not another function
-    # greedy's token in the other's place, and the other's in greedy's: the margin changes sign
-    assert divergence(tiny_fp32, p, greedy[:j] + [runner_up], greedy[: j + 1])["logit_margin"] < 0
-    # one output stopped where the other went on: a position, no margin
-    assert divergence(tiny_fp32, p, greedy, greedy[:j]) == {"position": j}
+    # the runner-up is below the top by its gap, beyond the noise: not the target's greedy choice
+    assert gap > d["shape_noise"] and d["follows_target"] is False
+    assert d["off_target"][0] == (j, pytest.approx(gap, abs=1e-5))
+    # the other way round: plain decoding took the runner-up, the speculative output is the target's
+    d = divergence(tiny_fp32, p, wrong, greedy)
+    assert d["logit_margin"] < 0 and d["follows_target"] is True and d["off_target"] == []
+    # one output stopped where the other went on: a position, no margin, not lossless
+    assert divergence(tiny_fp32, p, greedy, greedy[:j]) == {"position": j, "follows_target": False}

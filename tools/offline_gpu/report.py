@@ -59,6 +59,7 @@ def gather(work: Path) -> dict:
         "accept_per_position": ev.get("accept_rate_per_position"),
         "questions": ev.get("questions"),
         "identical_to_greedy": ev.get("identical_to_greedy"),
+        "lossless": ev.get("lossless"),
         "speedup": {k: v["speedup"] for k, v in chains.items()},
         "tokens_per_s_plain": ev_time.get("tokens_per_s_plain"),
         "tokens_per_s_spec": {k: v["tokens_per_s"] for k, v in chains.items()},
@@ -68,6 +69,7 @@ def gather(work: Path) -> dict:
             name: {
                 "tau": ev["tau"][name],
                 "identical_to_greedy": ev["identical_to_greedy"][name],
+                "lossless": ev.get("lossless", {}).get(name),
                 "accept_per_depth": ev["accept_rate_per_position"][name],
                 "speedup": t["speedup"],
                 "tokens_per_s": t["tokens_per_s"],
