@@ -4,11 +4,14 @@ epochs, queued by tools/offline_gpu and run by DVC's own queue; each option's τ
 per MT-bench category, lossless counts and training tok/s, beside the baseline's from the same run.
 
     python -m bench.recipe [--profile default|gpu] [--options topk align ...] [--workdir W]
-                           [--budget S] [--jobs N] [--out bench/results/recipe.json]
+                           [-S train.epochs=4 ...] [--budget S] [--jobs N] [--out bench/results/recipe.json]
+
+`-S` sets params of the base run, and so of every option's (a screen at fewer epochs than the
+profile's: the same for all, the baseline included); the JSON's key is the profile with them.
 
 Safe to run again under a job time limit: finished stages are skipped, queued experiments are not
 queued twice, and the figures are written once every option has run (exit 3 until then). The JSON
-holds one entry per profile."""
+holds one entry per profile and its `-S` params."""
 
 import argparse
 import json
@@ -45,7 +48,7 @@ def figures(reports: dict) -> dict:
     ev, tr = reports["evaluate"], reports.get("train", {})
     return {
         "tau": {k: round(v, 4) for k, v in ev["tau"].items()},
-        "lossless": {k: f"{v}/{ev['questions']}" for k, v in ev["identical_to_greedy"].items()},
+        "lossless": {k: f"{v}/{ev['questions']}" for k, v in ev.get("lossless", ev["identical_to_greedy"]).items()},
         "tau_by_category": category_tau(reports.get("evaluate_questions", [])),
         "val_loss": tr.get("val_loss"),
         "val_acc_per_step": tr.get("val_acc_per_step"),
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--profile", default="default", help="profiles/<name>.yaml, or default: params.yaml")
     ap.add_argument("--options", nargs="+", default=["topk", "align"], choices=sorted(OPTIONS))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/eaglenest-recipe"))
+    ap.add_argument("-S", dest="set", action="append", default=[], metavar="KEY=VALUE", help="a param of every run")
     ap.add_argument("--budget", type=float, default=7200, help="seconds this command may take")
     ap.add_argument("--jobs", type=int, default=1, help="experiments at once (one per GPU's memory, one on 2 cores)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/recipe.json"))
@@ -65,7 +69,7 @@ def main() -> None:
     end = time.time() + a.budget
     g = [sys.executable, "-m", "tools.offline_gpu", "--workdir", str(a.workdir)]
     left = lambda: str(max(0, round(end - time.time())))  # noqa: E731
-    subprocess.run([*g, "setup", "--profile", a.profile], check=True)
+    subprocess.run([*g, "setup", "--profile", a.profile, *[x for kv in a.set for x in ("-S", kv)]], check=True)
     run = subprocess.run([*g, "run", "--budget", left()], capture_output=True, text=True)
     print(run.stdout[-3000:], run.stderr[-3000:], flush=True)
     if run.returncode != 0 or "all stages done" not in run.stdout:
@@ -89,7 +93,8 @@ def main() -> None:
         rows[name] = f
     cpu = load("train.json").get("cpu")
     results = json.loads(a.out.read_text()) if a.out.exists() else {}
-    results[a.profile] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "runs": rows}
+    key = " ".join([a.profile, *a.set])
+    results[key] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "set": a.set, "runs": rows}
     write_json(a.out, results)
     print(json.dumps({n: (r["tau"], r.get("tau_gain")) for n, r in rows.items()}, indent=1))
 
