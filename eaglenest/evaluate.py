@@ -205,7 +205,7 @@ def evaluate(
         if apart:
             log.warning(
                 "%s: %d of %d outputs differ from plain greedy decoding; %d of them follow the target's own "
-                "forward from there (plain decoding broke a near-tie), %d do not: %s",
+                "forward from there (the two decodings broke a near-tie differently), %d do not: %s",
                 qkey,
                 len(apart),
                 len(same),

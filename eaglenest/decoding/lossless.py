@@ -27,8 +27,8 @@ def divergence(model, prompt: list[int], greedy: list[int], spec: list[int]) -> 
     n = len(prompt)
     x = torch.tensor([prompt + spec], device=model.device)
     logits = model(input_ids=x).logits[0, n - 1 : n + len(spec) - 1].float()  # row i predicts spec[i]
-    # the same position in another shape (the output cut after it): how far two computations of one
-    # function disagree here, the scale a tie is judged on
+    # the same position in another shape (the input cut where it is predicted): how far two computations
+    # of one function disagree here, the scale a tie is judged on
     again = model(input_ids=x[:, : n + j]).logits[0, -1].float()
     noise = (logits[j] - again).abs().max().item()
     top = logits[j].max().item()
