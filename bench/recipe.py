@@ -29,6 +29,7 @@ OPTIONS = {  # name: the -S overrides of one experiment (HASS's published K and 
     "ttt5": ["train.ttt_steps=5"],
     "decay9": ["train.decay=0.9"],
     "long": ["generate.max_new_tokens=512", "tokenize.max_seq_len=1024"],
+    "vocab32k": ["pack.draft_vocab_size=32768"],  # EAGLE-3's drafters: 32k draft tokens
 }
 
 
