@@ -201,7 +201,8 @@ def evaluate(
             if not ok:
                 q[f"divergence_{qkey}"] = divergence(model, ids[i], plain[i], toks)
         apart = [(q["id"], q[f"divergence_{qkey}"]) for q, ok in zip(per_q, same) if not ok]
-        metrics["lossless"][key] = len(same) - sum(not d["follows_target"] for _, d in apart)
+        follow = sum(d["follows_target"] for _, d in apart)
+        metrics["lossless"][key] = sum(same) + follow
         if apart:
             log.warning(
                 "%s: %d of %d outputs differ from plain greedy decoding; %d of them follow the target's own "
@@ -209,8 +210,8 @@ def evaluate(
                 qkey,
                 len(apart),
                 len(same),
-                sum(d["follows_target"] for _, d in apart),
-                sum(not d["follows_target"] for _, d in apart),
+                follow,
+                len(apart) - follow,
                 apart,
             )
     return metrics, clock.figures(metrics["tau"]), per_q
