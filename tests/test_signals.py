@@ -53,7 +53,7 @@ CASES = {
         after(0, "generate turn 1"),
     ),
     "tokenize": ("stages.tokenize big", {"tokenize": {"workers": 2}}, has_children(2)),
-    "extract": ("stages.extract tiny-a", {"extract": {"writers": 2}}, has_children(2)),
+    "extract": ("stages.extract long", {"extract": {"writers": 2}}, has_children(2)),
     "teacher": ("stages.teacher tiny-a", {"teacher": {"workers": 2, "unit_mb": 0.01}}, has_children(2)),
     "train": ("stages.train", {"train": {"epochs": 500}}, after(2, "training batches read")),
     "evaluate": ("stages.evaluate", {"evaluate": {"questions": 80, "max_new_tokens": 64}}, after(10)),
@@ -76,10 +76,15 @@ def workspace(built, tmp_path_factory):
 
     dst = tmp_path_factory.mktemp("signals") / "repo"
     shutil.copytree(built[0], dst, symlinks=True)
-    # a part long enough to tokenize that its worker processes are caught at work
+    # parts long enough that worker processes are caught at work: `big` to tokenize, and `long` (tokenized
+    # here) to extract: on a fast CPU tiny-a's loop ends before its writer processes are up, and the
+    # signal could come after the stage had ended
     lines = (dst / "data/generated/tiny-a.jsonl").read_text().splitlines()
-    big = [json.dumps({**json.loads(x), "id": f"{i}"}) for i, x in enumerate(lines * 2000)]
-    (dst / "data/generated/big.jsonl").write_text("\n".join(big) + "\n")
+    for part, copies in (("big", 2000), ("long", 100)):
+        rows = [json.dumps({**json.loads(x), "id": f"{i}"}) for i, x in enumerate(lines * copies)]
+        (dst / f"data/generated/{part}.jsonl").write_text("\n".join(rows) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "stages.tokenize", "long"], cwd=dst, env=env, check=True, capture_output=True)
     return dst
 
 
