@@ -6,6 +6,10 @@ per MT-bench category, lossless counts and training tok/s, beside the baseline's
     python -m bench.recipe [--profile default|gpu] [--options topk align ...] [--workdir W]
                            [-S train.epochs=4 ...] [--budget S] [--jobs N] [--out bench/results/recipe.json]
 
+An option is a name below, names joined by `+` (a combination: `topk+decay9`), or a recipe of one's
+own, `LABEL:KEY=VALUE,KEY=VALUE` (today's recipe against a profile that has taken a new one:
+`today:train.topk=0,train.decay=0.8`).
+
 `-S` sets params of the base run, and so of every option's (a screen at fewer epochs than the
 profile's: the same for all, the baseline included); the JSON's key is the profile with them. The
 quality gate (`evaluate.min_tau`) is off in a screen: it would end a weak option's run before its figures.
@@ -31,6 +35,25 @@ OPTIONS = {  # name: the -S overrides of one experiment (HASS's published K and 
     "long": ["generate.max_new_tokens=512", "tokenize.max_seq_len=1024"],
     "vocab32k": ["pack.draft_vocab_size=32768"],  # EAGLE-3's drafters: 32k draft tokens
 }
+
+
+def option_sets(spec: str) -> list[str]:
+    """The -S overrides of one option as `--options` gives it (see the module's doc)."""
+    if ":" in spec:
+        label, _, sets = spec.partition(":")
+        pairs = [kv for kv in sets.split(",") if kv]
+        if not label or not pairs or not all("=" in kv and kv.index("=") > 0 for kv in pairs):
+            raise argparse.ArgumentTypeError(f"{spec!r}: a recipe of one's own is LABEL:KEY=VALUE[,KEY=VALUE...]")
+        return pairs
+    unknown = [n for n in spec.split("+") if n not in OPTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{spec!r}: no option {', '.join(unknown)} (options: {', '.join(OPTIONS)})")
+    return [kv for n in spec.split("+") for kv in OPTIONS[n]]
+
+
+def option_name(spec: str) -> str:
+    """The experiment's name: the label of a recipe of one's own, else the names as given."""
+    return spec.partition(":")[0]
 
 
 def category_tau(questions: list[dict]) -> dict:
@@ -61,13 +84,18 @@ def figures(reports: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="default", help="profiles/<name>.yaml, or default: params.yaml")
-    ap.add_argument("--options", nargs="+", default=["topk", "align"], choices=sorted(OPTIONS))
+    ap.add_argument("--options", nargs="+", default=["topk", "align"], metavar="OPTION",
+                    help=f"{', '.join(OPTIONS)}; a combination a+b; or LABEL:KEY=VALUE,...")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/eaglenest-recipe"))
     ap.add_argument("-S", dest="set", action="append", default=[], metavar="KEY=VALUE", help="a param of every run")
     ap.add_argument("--budget", type=float, default=7200, help="seconds this command may take")
     ap.add_argument("--jobs", type=int, default=1, help="experiments at once (one per GPU's memory, one on 2 cores)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/recipe.json"))
     a = ap.parse_args()
+    try:
+        sets_of = {option_name(o): option_sets(o) for o in a.options}
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     end = time.time() + a.budget
     g = [sys.executable, "-m", "tools.offline_gpu", "--workdir", str(a.workdir)]
     left = lambda: str(max(0, round(end - time.time())))  # noqa: E731
@@ -78,21 +106,21 @@ def main() -> None:
     print(run.stdout[-3000:], run.stderr[-3000:], flush=True)
     if run.returncode != 0 or "all stages done" not in run.stdout:
         sys.exit(3)  # the baseline goes on next time
-    for name in a.options:
-        subprocess.run([*g, "enqueue", name, *[x for s in OPTIONS[name] for x in ("-S", s)]], check=True)
+    for name, option in sets_of.items():
+        subprocess.run([*g, "enqueue", name, *[x for s in option for x in ("-S", s)]], check=True)
     subprocess.run([*g, "queue", "--jobs", str(a.jobs), "--budget", left()], check=True)
     state = a.workdir / ".offline_gpu"
     done = json.loads((state / "experiments.json").read_text()) if (state / "experiments.json").exists() else {}
-    if any(n not in done for n in a.options):
-        print(f"not every option has run ({sorted(done)} of {a.options}); run again")
+    if any(n not in done for n in sets_of):
+        print(f"not every option has run ({sorted(done)} of {list(sets_of)}); run again")
         sys.exit(3)
     reports = a.workdir / "reports"
     load = lambda rel: json.loads((reports / rel).read_text()) if (reports / rel).exists() else {}  # noqa: E731
     base = figures({n: load(f"{n}.json") for n in ("evaluate", "train", "evaluate_questions", "timing/train")})
     rows = {"baseline": base}
-    for name in a.options:
+    for name, option in sets_of.items():
         f = figures(done[name])
-        f["set"] = OPTIONS[name]
+        f["set"] = option
         f["tau_gain"] = {k: round(v / base["tau"][k] - 1, 4) for k, v in f["tau"].items() if k in base["tau"]}
         rows[name] = f
     cpu = load("train.json").get("cpu")

@@ -266,3 +266,17 @@ def test_wheels_carried_in_chunks_install_without_an_index(tmp_path, monkeypatch
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     p = subprocess.run([str(tmp_path / "bin" / "python"), "-c", code], env=env, capture_output=True, text=True)
     assert p.stdout.strip() == "60000", p.stderr
+
+
+def test_recipe_options_combine_and_a_bad_one_is_named_before_anything_runs(tmp_path):
+    from bench.recipe import OPTIONS, option_name, option_sets
+
+    assert option_sets("topk+decay9") == OPTIONS["topk"] + OPTIONS["decay9"]
+    assert option_name("topk+decay9") == "topk+decay9"
+    assert option_sets("today:train.topk=0,train.decay=0.8") == ["train.topk=0", "train.decay=0.8"]
+    assert option_name("today:train.topk=0") == "today"
+    for bad, named in (("topk+nope", "no option nope"), ("mine:train.topk", "LABEL:KEY=VALUE")):
+        out = subprocess.run([sys.executable, "-m", "bench.recipe", "--workdir", str(tmp_path / "w"), "--options", bad],
+                             cwd=REPO, capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 2 and named in out.stderr, out.stderr
+        assert not (tmp_path / "w").exists()  # nothing was set up
