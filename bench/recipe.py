@@ -20,12 +20,15 @@ holds one entry per profile and its `-S` params."""
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from eaglenest.files.atomic import write_json
+from eaglenest.runtime import children
+from eaglenest.runtime.errors import EaglenestError, exit_on_error
 
 OPTIONS = {  # name: the -S overrides of one experiment (HASS's published K and weight; a tree's top-4)
     "topk": ["train.topk=10", "train.topk_weight=1.0"],
@@ -81,6 +84,26 @@ def figures(reports: dict) -> dict:
     }
 
 
+def call(cmd: list[str]) -> int:
+    """cmd to its end, its output passed through. SIGTERM or SIGHUP here (a job time limit) goes on to it
+    as SIGTERM and is waited for: a run interrupts its stage as `tools.offline_gpu stop` does (the
+    trainer keeps a checkpoint). Ctrl-C reaches the whole process group by itself."""
+    p = subprocess.Popen(cmd)
+    try:
+        return p.wait()
+    except KeyboardInterrupt as e:
+        if children.signum(e) != signal.SIGINT:
+            p.send_signal(signal.SIGTERM)
+        p.wait()
+        raise
+
+
+def step(cmd: list[str]) -> None:
+    if code := call(cmd):
+        raise EaglenestError(f"{' '.join(cmd[2:])} failed (exit {code}); its output is above")
+
+
+@exit_on_error
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="default", help="profiles/<name>.yaml, or default: params.yaml")
@@ -101,14 +124,14 @@ def main() -> None:
     left = lambda: str(max(0, round(end - time.time())))  # noqa: E731
     # a screen compares runs: the quality gate (evaluate.min_tau) would fail a weak option's run before its figures
     sets = ["evaluate.min_tau=null", *a.set]
-    subprocess.run([*g, "setup", "--profile", a.profile, *[x for kv in sets for x in ("-S", kv)]], check=True)
-    run = subprocess.run([*g, "run", "--budget", left()], capture_output=True, text=True)
-    print(run.stdout[-3000:], run.stderr[-3000:], flush=True)
-    if run.returncode != 0 or "all stages done" not in run.stdout:
+    step([*g, "setup", "--profile", a.profile, *[x for kv in sets for x in ("-S", kv)]])
+    if (code := call([*g, "run", "--budget", left()])) == 3:
         sys.exit(3)  # the baseline goes on next time
+    if code:
+        raise EaglenestError(f"the profile's run failed (exit {code}); its output is above")
     for name, option in sets_of.items():
-        subprocess.run([*g, "enqueue", name, *[x for s in option for x in ("-S", s)]], check=True)
-    subprocess.run([*g, "queue", "--jobs", str(a.jobs), "--budget", left()], check=True)
+        step([*g, "enqueue", name, *[x for s in option for x in ("-S", s)]])
+    step([*g, "queue", "--jobs", str(a.jobs), "--budget", left()])
     state = a.workdir / ".offline_gpu"
     done = json.loads((state / "experiments.json").read_text()) if (state / "experiments.json").exists() else {}
     if any(n not in done for n in sets_of):

@@ -7,7 +7,7 @@
   there  setup [--profile gpu] [-S k=v ...]  this checkout's code into the work repo, profile applied
   there  load                                a received run-cache set into the work repo (before `run`)
   there  run [--budget S] [--until STAGE] [--detach]
-                                             `dvc repro` stage by stage until the budget; again to go on
+                                             `dvc repro` stage by stage until the budget (exit 3: again to go on)
   there  wait [--budget S] | stop            follow a detached run (exit 3: still running) | stop it
   there  enqueue NAME -S k=v ... ; queue [--jobs N] [--budget S]
                                              DVC experiments from the profile, run side by side
@@ -84,8 +84,8 @@ def main(argv=None) -> None:
     elif a.cmd == "run" and a.detach:
         runner.detach(work, ["--budget", str(a.budget), "--min-left", str(a.min_left),
                              *(["--until", a.until] if a.until else [])])  # fmt: skip
-    elif a.cmd == "run":
-        runner.run(work, a.budget, a.min_left, a.until)
+    elif a.cmd == "run" and not runner.run(work, a.budget, a.min_left, a.until):
+        sys.exit(3)  # unfinished: run again to go on
     elif a.cmd == "wait":
         runner.wait(work, a.budget)
     elif a.cmd == "stop":
