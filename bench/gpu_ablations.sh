@@ -26,7 +26,9 @@ left() { echo $((end - SECONDS)); }
 "${G[@]}" setup -S train.epochs=5 -S evaluate.speed_questions=1 -S evaluate.min_tau=null \
   -S 'data.parts=[sharegpt-k1, sharegpt-k3]' \
   -S 'data.sharegpt={sharegpt-k1: {start: 0, count: 1000, turns: 2}, sharegpt-k3: {start: 1000, count: 3000, turns: 2}}'
-"${G[@]}" run --budget "$(left)" --min-left 20 | tee /tmp/ablation_base.log
+rc=0  # run: 0 all done, 3 unfinished (the next command goes on), else failed
+"${G[@]}" run --budget "$(left)" --min-left 20 | tee /tmp/ablation_base.log || rc=$?
+[ "$rc" -eq 0 ] || [ "$rc" -eq 3 ] || exit "$rc"
 # experiments start from the committed base: none is queued before every base stage is done
 grep -q "all stages done" /tmp/ablation_base.log || { echo "base not finished; run again"; exit 0; }
 
