@@ -79,6 +79,9 @@ def main(argv=None) -> None:
             },
         )
         write_json(Path(args.timing), {"tokens_per_s": result["tokens_per_s"], "wall_s": result.get("wall_s")})
+        # the one place a DVC experiment's speed survives it (its reports/timing stays in its workspace)
+        log.info("trained %d epochs: %s tokens/s over %s s", len(result["epochs"]), result["tokens_per_s"],
+                 result.get("wall_s"))  # fmt: skip
 
 
 def log_epochs(epochs: list[dict], out: Path) -> None:

@@ -280,3 +280,31 @@ def test_recipe_options_combine_and_a_bad_one_is_named_before_anything_runs(tmp_
                              cwd=REPO, capture_output=True, text=True)  # fmt: skip
         assert out.returncode == 2 and named in out.stderr, out.stderr
         assert not (tmp_path / "w").exists()  # nothing was set up
+
+
+TRAIN_LINE = """import sys, yaml
+a = yaml.safe_load(open("params.yaml"))["a"]
+open("out.txt", "w").write(str(a))
+print("12:00:00 INFO eaglenest.train: trained 3 epochs: %s tokens/s over %s s" % (1000.0 * a, 10 * a), file=sys.stderr)
+"""
+
+
+def test_each_queued_experiment_reports_its_own_training_speed(tmp_path, monkeypatch):
+    """An experiment's reports/timing stays in its temporary workspace: its speed comes from its own log."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    (tmp_path / "train.py").write_text(TRAIN_LINE)
+    (tmp_path / "params.yaml").write_text("a: 1\n")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  train:\n    cmd: python train.py\n    deps: [train.py]\n    params: [a]\n    outs: [out.txt]\n"
+    )
+    sh("git init -q && dvc init -q && git add -A && git commit -qm base", tmp_path)
+    for name, a in (("topk+decay9", 2), ("today", 3)):
+        sh(f"dvc exp run --queue -n '{name}' -S a={a}", tmp_path)
+    sh("dvc queue start -j 1", tmp_path)
+    for _ in range(240):
+        if sorted(runner.queue_status(tmp_path).values()) == ["Success", "Success"]:
+            break
+        time.sleep(0.5)
+    assert runner.train_speed(tmp_path, "topk+decay9") == {"tokens_per_s": 2000.0, "wall_s": 20.0}
+    assert runner.train_speed(tmp_path, "today") == {"tokens_per_s": 3000.0, "wall_s": 30.0}
+    assert runner.train_speed(tmp_path, "never-queued") == {}

@@ -9,6 +9,7 @@ records (stage times, disk, logs) are in <work>/.offline_gpu/."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -254,6 +255,14 @@ def queue_status(work: Path) -> dict[str, str]:
     return {f[1]: f[-1] for f in (line.split() for line in out.splitlines()) if len(f) >= 4 and f[-1] in states}
 
 
+def train_speed(work: Path, name: str) -> dict:
+    """An experiment's training speed, from the train stage's last line in its log: its
+    reports/timing (not an output: a clock is no result) stays in the experiment's own workspace."""
+    out = subprocess.run(["dvc", "queue", "logs", name], cwd=work, text=True, capture_output=True).stdout
+    found = re.findall(r"trained \d+ epochs: ([\d.]+) tokens/s over ([\d.]+) s", out)
+    return {"tokens_per_s": float(found[-1][0]), "wall_s": float(found[-1][1])} if found else {}
+
+
 def run_queue(work: Path, jobs: int, budget: float) -> None:
     """The queued experiments side by side (`dvc queue start -j JOBS`: DVC's own workers), polled until
     none is left or the budget is spent (the workers go on; call again). Each finished one is applied,
@@ -282,9 +291,10 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
             record(work, QUEUED, name, None)
         else:
             sh(["dvc", "exp", "apply", name], work)
-            for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json", "timing/train.json"):
+            for rel in ("evaluate.json", "train.json", "pack.json", "evaluate_questions.json"):
                 if (work / "reports" / rel).exists():
                     row[rel.removesuffix(".json")] = json.loads((work / "reports" / rel).read_text())
+            row["timing/train"] = train_speed(work, name)
             sh(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], work)
             for d in ("metrics", "reports"):
                 shutil.rmtree(work / d)
