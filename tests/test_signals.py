@@ -15,7 +15,7 @@ import yaml
 
 from eaglenest.runtime.children import descendants
 
-from .conftest import REPO
+from .conftest import REPO, sh
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +83,7 @@ def workspace(built, tmp_path_factory):
     for part, copies in (("big", 2000), ("long", 100)):
         rows = [json.dumps({**json.loads(x), "id": f"{i}"}) for i, x in enumerate(lines * copies)]
         (dst / f"data/generated/{part}.jsonl").write_text("\n".join(rows) + "\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "stages.tokenize", "long"], cwd=dst, env=env, check=True, capture_output=True)
+    sh("python -m stages.tokenize long", dst, env_extra={"PYTHONPATH": str(REPO)})
     return dst
 
 
