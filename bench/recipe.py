@@ -29,6 +29,7 @@ from pathlib import Path
 from eaglenest.files.atomic import write_json
 from eaglenest.runtime import children
 from eaglenest.runtime.errors import EaglenestError, exit_on_error
+from tools.offline_gpu import runner
 
 OPTIONS = {  # name: the -S overrides of one experiment (HASS's published K and weight; a tree's top-4)
     "topk": ["train.topk=10", "train.topk_weight=1.0"],
@@ -81,6 +82,7 @@ def figures(reports: dict) -> dict:
         "val_loss": tr.get("val_loss"),
         "val_acc_per_step": tr.get("val_acc_per_step"),
         "train_tokens_per_s": reports.get("timing/train", {}).get("tokens_per_s"),
+        "val_per_epoch": reports.get("curve", {}),
     }
 
 
@@ -139,7 +141,10 @@ def main() -> None:
         sys.exit(3)
     reports = a.workdir / "reports"
     load = lambda rel: json.loads((reports / rel).read_text()) if (reports / rel).exists() else {}  # noqa: E731
-    base = figures({n: load(f"{n}.json") for n in ("evaluate", "train", "evaluate_questions", "timing/train")})
+    base = figures(
+        {n: load(f"{n}.json") for n in ("evaluate", "train", "evaluate_questions", "timing/train")}
+        | {"curve": runner.epoch_curve(a.workdir)}
+    )
     rows = {"baseline": base}
     for name, option in sets_of.items():
         f = figures(done[name])

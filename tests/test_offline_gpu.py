@@ -308,3 +308,15 @@ def test_each_queued_experiment_reports_its_own_training_speed(tmp_path, monkeyp
     assert runner.train_speed(tmp_path, "topk+decay9") == {"tokens_per_s": 2000.0, "wall_s": 20.0}
     assert runner.train_speed(tmp_path, "today") == {"tokens_per_s": 3000.0, "wall_s": 30.0}
     assert runner.train_speed(tmp_path, "never-queued") == {}
+
+
+def test_the_screen_reads_each_epochs_val_figures_as_the_train_stage_logged_them(tmp_path):
+    """Where a short screen's run was heading: the per-epoch val curve, read back from DVCLive's plots."""
+    from stages.train import log_epochs
+
+    val = [(5.79, 1.1877), (4.9, 1.2956), (4.679, 1.3388)]
+    epochs = [{s: {"loss": loss, "simulated_tau": tau, "acc_per_step": [0.2]} for s in ("train", "val")}
+              for loss, tau in val]  # fmt: skip
+    log_epochs(epochs, tmp_path / "dvclive")
+    assert runner.epoch_curve(tmp_path) == {"loss": [v[0] for v in val], "simulated_tau": [v[1] for v in val]}
+    assert runner.epoch_curve(tmp_path / "none") == {}  # a run that never trained

@@ -263,6 +263,17 @@ def train_speed(work: Path, name: str) -> dict:
     return {"tokens_per_s": float(found[-1][0]), "wall_s": float(found[-1][1])} if found else {}
 
 
+def epoch_curve(work: Path) -> dict:
+    """The val loss and simulated τ after each epoch, from the train stage's DVCLive plots: where a
+    short screen's run was still heading."""
+    out = {}
+    for name in ("loss", "simulated_tau"):
+        tsv = work / "dvclive" / "plots" / "metrics" / "val" / f"{name}.tsv"
+        if tsv.exists():
+            out[name] = [round(float(line.split("\t")[1]), 4) for line in tsv.read_text().splitlines()[1:] if line]
+    return out
+
+
 def run_queue(work: Path, jobs: int, budget: float) -> None:
     """The queued experiments side by side (`dvc queue start -j JOBS`: DVC's own workers), polled until
     none is left or the budget is spent (the workers go on; call again). Each finished one is applied,
@@ -295,6 +306,7 @@ def run_queue(work: Path, jobs: int, budget: float) -> None:
                 if (work / "reports" / rel).exists():
                     row[rel.removesuffix(".json")] = json.loads((work / "reports" / rel).read_text())
             row["timing/train"] = train_speed(work, name)
+            row["curve"] = epoch_curve(work)
             sh(["git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock"], work)
             for d in ("metrics", "reports"):
                 shutil.rmtree(work / d)
