@@ -16,7 +16,8 @@ quality gate (`evaluate.min_tau`) is off in a screen: it would end a weak option
 
 Safe to run again under a job time limit: finished stages are skipped, queued experiments are not
 queued twice, and the figures are written once every option has run (exit 3 until then). The JSON
-holds one entry per profile and its `-S` params."""
+holds one entry per profile and its `-S` params; a later screen whose baseline is the same run (`-S`
+alike, in the same work directory) adds its options to that entry's."""
 
 import argparse
 import json
@@ -86,6 +87,14 @@ def figures(reports: dict) -> dict:
     }
 
 
+def with_earlier_options(old: dict | None, new: dict) -> dict:
+    """A later screen on the same baseline run (its stages skipped, so the same figures) adds its
+    options to the earlier ones; a baseline that ran again (other code, another machine) replaces them."""
+    if old is None or old["runs"]["baseline"] != new["runs"]["baseline"]:
+        return new
+    return {**new, "runs": {**old["runs"], **new["runs"]}}
+
+
 def call(cmd: list[str]) -> int:
     """cmd to its end, its output passed through. SIGTERM or SIGHUP here (a job time limit) goes on to it
     as SIGTERM and is waited for: a run interrupts its stage as `tools.offline_gpu stop` does (the
@@ -150,11 +159,13 @@ def main() -> None:
         f = figures(done[name])
         f["set"] = option
         f["tau_gain"] = {k: round(v / base["tau"][k] - 1, 4) for k, v in f["tau"].items() if k in base["tau"]}
+        f["jobs"] = a.jobs  # side by side: its tok/s compares only with runs of as many jobs
         rows[name] = f
-    cpu = load("train.json").get("cpu")
+    made = {k: v for k in ("cpu", "gpu") if (v := load("train.json").get(k)) is not None}
     results = json.loads(a.out.read_text()) if a.out.exists() else {}
     key = " ".join([a.profile, *a.set])
-    results[key] = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "set": a.set, "runs": rows}
+    entry = {"date": time.strftime("%Y-%m-%d"), **made, "set": a.set, "runs": rows}
+    results[key] = with_earlier_options(results.get(key), entry)
     write_json(a.out, results)
     print(json.dumps({n: (r["tau"], r.get("tau_gain")) for n, r in rows.items()}, indent=1))
 

@@ -282,6 +282,19 @@ def test_recipe_options_combine_and_a_bad_one_is_named_before_anything_runs(tmp_
         assert not (tmp_path / "w").exists()  # nothing was set up
 
 
+def test_a_later_screen_on_the_same_baseline_adds_its_options_and_a_new_baseline_replaces_them():
+    from bench.recipe import with_earlier_options
+
+    base = {"tau": {"3": 1.5777}, "lossless": {"3": "80/80"}}
+    first = {"date": "d1", "runs": {"baseline": base, "topk": {"tau": {"3": 1.5886}}}}
+    later = {"date": "d2", "runs": {"baseline": dict(base), "seed1": {"tau": {"3": 1.5774}}}}
+    merged = with_earlier_options(first, later)
+    assert list(merged["runs"]) == ["baseline", "topk", "seed1"] and merged["date"] == "d2"
+    rerun = {"date": "d3", "runs": {"baseline": {**base, "tau": {"3": 1.6}}, "seed1": {"tau": {"3": 1.61}}}}
+    assert with_earlier_options(merged, rerun) == rerun  # options of another baseline's run would not compare
+    assert with_earlier_options(None, first) == first
+
+
 TRAIN_LINE = """import sys, yaml
 a = yaml.safe_load(open("params.yaml"))["a"]
 open("out.txt", "w").write(str(a))

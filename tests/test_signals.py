@@ -1,6 +1,7 @@
 """Signals (docs/design.md: Failure rules): SIGTERM (a job time limit, `kill`, DVC), SIGINT (Ctrl-C)
 or SIGHUP (a closed terminal) to a stage ends it and everything it started -- pool workers, writer
-and loader processes -- within 10 s, with one line saying so and no traceback; a rerun resumes."""
+and loader processes -- within 10 s, with one line saying so and no traceback; a rerun resumes. Each is
+started as a script's background job starts it, SIGINT ignored, which a stage must undo."""
 
 import json
 import os
@@ -32,6 +33,12 @@ def tagged(tag: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def as_a_background_job() -> None:
+    """How a script's `cmd &` (and so every stage of a detached `dvc repro`) starts a command: with
+    SIGINT ignored, which Python keeps unless the command sets it again."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def has_children(n: int):
@@ -102,7 +109,7 @@ def test_a_signal_ends_the_stage_and_everything_it_started(workspace, name):
     log = workspace / f"{name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", *module_args.split()], cwd=workspace, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+                                stdout=out, stderr=subprocess.STDOUT, preexec_fn=as_a_background_job)  # fmt: skip
     try:
         t0 = time.time()
         while not ready(proc, log.read_text(errors="replace"), time.time() - t0):
@@ -158,8 +165,8 @@ def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(tmp_path, sig
     again where ordinary code runs next, so the command still ends at once, with its one line."""
     (tmp_path / "slow.py").write_text(FINALIZER)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "slow.py"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "slow.py"], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, preexec_fn=as_a_background_job)  # fmt: skip
     assert proc.stdout.readline().strip() == "finalizing"
     t = time.time()
     proc.send_signal(sig)

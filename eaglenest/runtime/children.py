@@ -40,11 +40,14 @@ def _redeliver(previous, unraisable) -> None:
 
 
 def raise_on_signals() -> dict:
-    """SIGTERM and SIGHUP raise `Interrupted` (SIGINT already raises KeyboardInterrupt), one swallowed
-    by a finalizer is delivered again (`_redeliver`); returns the handlers and hook they replaced, for
-    `restore`."""
+    """SIGTERM and SIGHUP raise `Interrupted`, SIGINT KeyboardInterrupt, one swallowed by a finalizer is
+    delivered again (`_redeliver`); returns the handlers and hook they replaced, for `restore`.
+    SIGINT is set explicitly: a command started in the background by a script (`cmd &`, `setsid cmd &`,
+    so every stage of a detached `dvc repro`) inherits it ignored, and Python then leaves it so; an
+    interrupt sent to its process group (`tools.offline_gpu` at a budget's end) would do nothing."""
     replaced = {"unraisablehook": sys.unraisablehook}
     sys.unraisablehook = functools.partial(_redeliver, replaced["unraisablehook"])
+    replaced[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     return replaced | {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
 
 
