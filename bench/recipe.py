@@ -17,7 +17,8 @@ quality gate (`evaluate.min_tau`) is off in a screen: it would end a weak option
 Safe to run again under a job time limit: finished stages are skipped, queued experiments are not
 queued twice, and the figures are written once every option has run (exit 3 until then). The JSON
 holds one entry per profile and its `-S` params; a later screen whose baseline is the same run (`-S`
-alike, in the same work directory) adds its options to that entry's."""
+alike, in the same work directory) adds its options to that entry's, and one whose baseline ran
+again starts an entry of its own (`KEY #2`)."""
 
 import argparse
 import json
@@ -83,16 +84,27 @@ def figures(reports: dict) -> dict:
         "val_loss": tr.get("val_loss"),
         "val_acc_per_step": tr.get("val_acc_per_step"),
         "train_tokens_per_s": reports.get("timing/train", {}).get("tokens_per_s"),
+        "train_wall_s": reports.get("timing/train", {}).get("wall_s"),
+        # what an epoch holds: an option that changes the data (`long`) trains on more tokens
+        "train_tokens": reports.get("pack", {}).get("train_tokens"),
+        "loss_tokens": reports.get("pack", {}).get("masked_tokens"),
         "val_per_epoch": reports.get("curve", {}),
     }
 
 
-def with_earlier_options(old: dict | None, new: dict) -> dict:
-    """A later screen on the same baseline run (its stages skipped, so the same figures) adds its
-    options to the earlier ones; a baseline that ran again (other code, another machine) replaces them."""
-    if old is None or old["runs"]["baseline"] != new["runs"]["baseline"]:
-        return new
-    return {**new, "runs": {**old["runs"], **new["runs"]}}
+def add_screen(results: dict, key: str, entry: dict) -> str:
+    """Files a screen's entry under key and returns the key used. A later screen on the same baseline
+    run (its stages skipped, so the same figures) adds its options to that entry; a baseline that ran
+    again (a fresh host, other code) starts an entry of its own, `key #2`, ...: its options compare
+    only with it, and the earlier entry's figures stay."""
+    same = [k for k in results if k == key or k.startswith(f"{key} #")]
+    for k in same:
+        if results[k]["runs"]["baseline"] == entry["runs"]["baseline"]:
+            results[k] = {**entry, "runs": {**results[k]["runs"], **entry["runs"]}}
+            return k
+    k = f"{key} #{len(same) + 1}" if same else key
+    results[k] = entry
+    return k
 
 
 def call(cmd: list[str]) -> int:
@@ -151,7 +163,7 @@ def main() -> None:
     reports = a.workdir / "reports"
     load = lambda rel: json.loads((reports / rel).read_text()) if (reports / rel).exists() else {}  # noqa: E731
     base = figures(
-        {n: load(f"{n}.json") for n in ("evaluate", "train", "evaluate_questions", "timing/train")}
+        {n: load(f"{n}.json") for n in ("evaluate", "train", "pack", "evaluate_questions", "timing/train")}
         | {"curve": runner.epoch_curve(a.workdir)}
     )
     rows = {"baseline": base}
@@ -165,7 +177,7 @@ def main() -> None:
     results = json.loads(a.out.read_text()) if a.out.exists() else {}
     key = " ".join([a.profile, *a.set])
     entry = {"date": time.strftime("%Y-%m-%d"), **made, "set": a.set, "runs": rows}
-    results[key] = with_earlier_options(results.get(key), entry)
+    print(f"{a.out}: {add_screen(results, key, entry)!r}")
     write_json(a.out, results)
     print(json.dumps({n: (r["tau"], r.get("tau_gain")) for n, r in rows.items()}, indent=1))
 

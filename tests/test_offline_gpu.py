@@ -282,17 +282,24 @@ def test_recipe_options_combine_and_a_bad_one_is_named_before_anything_runs(tmp_
         assert not (tmp_path / "w").exists()  # nothing was set up
 
 
-def test_a_later_screen_on_the_same_baseline_adds_its_options_and_a_new_baseline_replaces_them():
-    from bench.recipe import with_earlier_options
+def test_a_later_screen_on_the_same_baseline_adds_its_options_and_a_new_baseline_gets_its_own_entry():
+    from bench.recipe import add_screen
 
     base = {"tau": {"3": 1.5777}, "lossless": {"3": "80/80"}}
     first = {"date": "d1", "runs": {"baseline": base, "topk": {"tau": {"3": 1.5886}}}}
+    results = {"default": {"runs": {"baseline": {"tau": {"3": 1.2}}}}}
+    assert add_screen(results, "gpu", first) == "gpu"
     later = {"date": "d2", "runs": {"baseline": dict(base), "seed1": {"tau": {"3": 1.5774}}}}
-    merged = with_earlier_options(first, later)
-    assert list(merged["runs"]) == ["baseline", "topk", "seed1"] and merged["date"] == "d2"
-    rerun = {"date": "d3", "runs": {"baseline": {**base, "tau": {"3": 1.6}}, "seed1": {"tau": {"3": 1.61}}}}
-    assert with_earlier_options(merged, rerun) == rerun  # options of another baseline's run would not compare
-    assert with_earlier_options(None, first) == first
+    assert add_screen(results, "gpu", later) == "gpu"
+    assert list(results["gpu"]["runs"]) == ["baseline", "topk", "seed1"] and results["gpu"]["date"] == "d2"
+    # options of another baseline's run would not compare with the first run's: an entry of their own
+    rerun = {"date": "d3", "runs": {"baseline": {**base, "tau": {"3": 1.6}}, "long": {"tau": {"3": 1.7}}}}
+    assert add_screen(results, "gpu", rerun) == "gpu #2"
+    assert results["gpu #2"] == rerun and list(results["gpu"]["runs"]) == ["baseline", "topk", "seed1"]
+    again = {"date": "d4", "runs": {"baseline": rerun["runs"]["baseline"], "lr2": {"tau": {"3": 1.65}}}}
+    assert add_screen(results, "gpu", again) == "gpu #2"
+    assert list(results["gpu #2"]["runs"]) == ["baseline", "long", "lr2"]
+    assert add_screen(results, "gpu train.epochs=4", first) == "gpu train.epochs=4"  # another key's prefix
 
 
 TRAIN_LINE = """import sys, yaml
