@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from eaglenest.decoding import batch_decode
+from eaglenest.decoding import batch_decode, static_decode
 from eaglenest.decoding.batch_decode import HFStepper, decode_all, decode_batch, left_pad, plan_batches
 from eaglenest.decoding.static_decode import StaticDecoder, supports
 from eaglenest.generate import regenerate
@@ -138,6 +138,34 @@ def test_static_decoder_steps_equal_the_transformers_forward(fp32, smollm2_token
         fp32, prompts, limits, eos, 0, stepper=StaticDecoder(fp32, len(prompts), ids.shape[1] + max(limits))
     )
     assert [d.tokens for d in static] == [d.tokens for d in ref]
+
+
+def test_prefill_chunks_are_bounded_by_their_attention_scores(fp32, smollm2_tokenizer):
+    """Long prompts prefill fewer rows at once (the scores grow as L x L), with the same logits and cache."""
+    texts = ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a very old"]
+    ids, attn = left_pad([smollm2_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], 0, "cpu")
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    L, heads = ids.shape[1], fp32.config.num_attention_heads
+    rows = []
+    hook = fp32.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        whole, split = StaticDecoder(fp32, 4, L + 2), StaticDecoder(fp32, 4, L + 2)
+        a = whole.prefill(ids, attn, pos)
+        b = split.prefill(ids, attn, pos, score_elems=heads * L * L * 2 + 1)  # two rows' scores
+    finally:
+        hook.remove()
+    assert rows == [4, 2, 2]
+    assert (a - b).abs().max() < 1e-4 and (whole.k - split.k).abs().max() < 1e-4
+    # the cache's bytes are what fitting a batch to the GPU counts
+    assert whole.k.nbytes + whole.v.nbytes == 4 * whole.width * static_decode.kv_bytes_per_token(fp32)
+
+
+def test_a_batch_cache_is_fitted_to_the_free_memory_beside_the_prefill():
+    per = 23_040  # SmolLM2-135M in bf16
+    reserve = static_decode.SCORE_ELEMS * static_decode.SCORE_BYTES + static_decode.CHUNK_TOKENS * per + (1 << 30)
+    assert static_decode.fitting_batch_tokens(2_000_000, per, 80 << 30) == 2_000_000  # an H100 holds it
+    assert static_decode.fitting_batch_tokens(2_000_000, per, reserve + 1000 * per + 7) == 1000
+    assert static_decode.fitting_batch_tokens(2_000_000, per, reserve // 2) == 1  # one row at a time, never 0
 
 
 def test_generate_stage_writes_the_turn_accounting(smollm2, tmp_path):

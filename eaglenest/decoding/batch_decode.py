@@ -3,6 +3,7 @@ grouped under a token budget, left-padded, one KV cache per batch; rows leave th
 finish (end of turn or their own token limit), so long answers do not keep short ones computing.
 Greedy (temperature 0) or sampled from softmax(logits / temperature) with a seeded generator."""
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from eaglenest.decoding import static_decode
 from eaglenest.decoding.kv_cache import cache_kwarg, growing_cache
 
+log = logging.getLogger(__name__)
 CHECK_EVERY = 8  # steps between looks at which rows finished (each look waits for the GPU)
 SHRINK = 4  # a CUDA-graphed batch drops its finished rows once they are 3/4 of it
 
@@ -162,6 +164,15 @@ def decode_all(
     """Decode every prompt (prompts[i] for up to max_new[i] tokens); results in input order."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    if dev.type == "cuda" and static_decode.supports(model):
+        per_token, free = static_decode.kv_bytes_per_token(model), static_decode.free_bytes(dev)
+        fit = static_decode.fitting_batch_tokens(batch_tokens, per_token, free)
+        if fit < batch_tokens:
+            log.warning(
+                "batch_tokens %d would need %.1f GB of KV cache; %.1f GB of this GPU is free: batches of %d tokens",
+                batch_tokens, batch_tokens * per_token / 1e9, free / 1e9, fit,
+            )  # fmt: skip
+            batch_tokens = fit
     results: list[Decoded | None] = [None] * len(prompts)
     for batch in plan_batches([len(p) for p in prompts], max_new, batch_tokens, max_rows):
         done = decode_batch(

@@ -9,9 +9,10 @@ norms, MLP, rotary embedding): q/k rotated at each row's position, k/v written a
 shared by all rows (prompts are left-padded), attention over the whole cache under a mask of the
 columns written so far. The grouped query heads of one KV head are laid out as that KV head's
 "queries" (their positions are the same), so SDPA reads each cached key once and may use any kernel.
-Prompts are prefilled by the model's own forward (rows in chunks, so memory stays bounded) and their
-K/V copied into the cache. `supports(model)` says whether a model has this layout; other models
-use `batch_decode`'s transformers path."""
+Prompts are prefilled by the model's own forward (rows in chunks of bounded tokens and attention
+scores, so memory stays bounded) and their K/V copied into the cache; `fitting_batch_tokens` keeps a
+batch's cache within the GPU's free memory beside that. `supports(model)` says whether a model has
+this layout; other models use `batch_decode`'s transformers path."""
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,12 @@ from transformers import DynamicCache
 from eaglenest.decoding.kv_cache import cache_kwarg
 
 ARCHITECTURES = {"llama", "mistral", "qwen2"}  # pre-norm, RoPE, GQA, no q/k norm
+CHUNK_TOKENS = 1 << 18  # prompt tokens per prefill forward
+# A prefill chunk's attention scores (rows x heads x L x L) also bound it: under a padding mask SDPA
+# may take its math kernel, which holds the scores and their softmax. Bounded by tokens alone, an
+# H100 ran out at 256 rows of 1,023 tokens (~33 GB beside a 46 GB cache): ~14 bytes per score.
+SCORE_ELEMS = 1 << 28
+SCORE_BYTES = 16
 
 
 def supports(model) -> bool:
@@ -29,6 +36,26 @@ def supports(model) -> bool:
         return False
     attn = model.model.layers[0].self_attn
     return not hasattr(attn, "q_norm") and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of this cache per row and column: every layer's key and value."""
+    cfg, p = model.config, next(model.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return len(model.model.layers) * cfg.num_key_value_heads * head_dim * 2 * p.element_size()
+
+
+def fitting_batch_tokens(batch_tokens: int, per_token: int, free: int) -> int:
+    """batch_tokens (rows x width of one cache), or as many as `free` bytes hold beside the prefill:
+    its largest chunk's scores and transformers' own cache of the chunk, and 1 GiB for the rest."""
+    reserve = SCORE_ELEMS * SCORE_BYTES + CHUNK_TOKENS * per_token + (1 << 30)
+    return max(1, min(batch_tokens, (free - reserve) // per_token))
+
+
+def free_bytes(device) -> int:
+    """What the next allocations can have: the GPU's free memory and the allocator's idle blocks."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,12 +88,17 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def prefill(
-        self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, chunk_tokens: int = 1 << 18
+        self,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        pos: torch.Tensor,
+        chunk_tokens: int = CHUNK_TOKENS,
+        score_elems: int = SCORE_ELEMS,
     ) -> torch.Tensor:
         """Run the prompts ([rows, L], left-padded) through the model; returns the last position's logits."""
         L = self.next_col = ids.shape[1]
         self.valid[:, :L] = attn.bool()
-        step = max(1, chunk_tokens // L)
+        step = max(1, min(chunk_tokens // L, score_elems // (self.heads * L * L)))
         logits = []
         for r in range(0, self.rows, step):
             s = slice(r, r + step)
