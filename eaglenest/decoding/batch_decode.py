@@ -79,9 +79,14 @@ class HFStepper:
         self.attn = self.attn[keep]
 
 
+def uses_static(model) -> bool:
+    """Whether batches decode through `static_decode`: on CUDA, where the architecture allows."""
+    return next(model.parameters()).device.type == "cuda" and static_decode.supports(model)
+
+
 def stepper_for(model, rows: int, width: int):
     """CUDA-graphed static steps where the architecture allows (`static_decode`), else the HF forward."""
-    if next(model.parameters()).device.type == "cuda" and static_decode.supports(model):
+    if uses_static(model):
         return static_decode.StaticDecoder(model, rows, width)
     return HFStepper(model, width)
 
@@ -164,7 +169,7 @@ def decode_all(
     """Decode every prompt (prompts[i] for up to max_new[i] tokens); results in input order."""
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    if dev.type == "cuda" and static_decode.supports(model):
+    if uses_static(model):  # its cache is allocated whole: fitted to the GPU before the batches are planned
         per_token, free = static_decode.kv_bytes_per_token(model), static_decode.free_bytes(dev)
         fit = static_decode.fitting_batch_tokens(batch_tokens, per_token, free)
         if fit < batch_tokens:
